@@ -1,0 +1,83 @@
+"""Data-only contracts between the scheduler and whatever executes a step.
+
+`Scheduler.schedule()` returns a `StepPlan`; the runner (the real model, or the simulator's
+cost model) executes it and returns a `RunnerOutput`; `Scheduler.update_from_output()` takes
+that back. Nothing here imports torch: the runner reads plain ints and lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from magnitude.engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    The runner computes KV for `token_ids` at positions `start_position ..
+    start_position + len(token_ids) - 1`, writing into the blocks of `block_table` (slot of
+    position p = block_table[p // block_size] * block_size + p % block_size), attending
+    causally to every earlier position of this sequence already in those blocks.
+    If `sample` is set, the chunk reaches the end of the sequence's known tokens, and the
+    runner samples the next token from the logits of the last position (plus
+    `num_lookahead` draft positions when speculative decoding exists).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    sampling: SamplingParams
+    num_output_tokens: int = 0  # tokens generated so far (seeded samplers use it as the step index)
+    num_lookahead: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything one step does. Decodes come first in `seqs`, then prefill chunks."""
+
+    step_id: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    # (device block, host block) copies to run BEFORE the forward pass.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Requests preempted this step: (request_id, mode, reason).
+    preempted: list[tuple[str, str, str]] = field(default_factory=list)
+    # Requests released at the start of this step (finished, cancelled, timed out).
+    released: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for s in self.seqs if s.sample and len(s.token_ids) == 1)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.swap_out and not self.swap_in
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the runner produced for a StepPlan: sampled tokens per request that had `sample` set,
+    and per-request failures (one bad request fails alone, not the step)."""
+
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    duration_s: float = 0.0

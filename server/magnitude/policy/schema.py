@@ -1,0 +1,187 @@
+"""The one policy schema: scheduler, KV cache and admission settings.
+
+This document is, without translation, the CRD's engine-facing spec (`spec.scheduler`,
+`spec.kvCache`, `spec.admission`), the engine's `--config` file and the simulator's
+`--config`. Field names are camelCase on the wire (aliases) and snake_case in Python.
+Pure: pydantic only, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+
+
+class PolicyModel(BaseModel):
+    """Base: camelCase aliases, unknown keys refused, values validated on assignment."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    def to_document(self) -> dict:
+        """The wire form (camelCase, JSON types) used by CRDs, config files and reports."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+class PriorityClass(PolicyModel):
+    """A named priority level. Lower `priority` runs first."""
+
+    name: str = Field(pattern=DNS_LABEL, description="Name clients send as `priority_class`.")
+    priority: int = Field(ge=0, le=100, description="Priority level; lower runs first.")
+    shed_order: int | None = Field(
+        default=None,
+        ge=0,
+        le=100,
+        description="When load shedding is on, classes are shed from the highest shedOrder "
+        "down; defaults to `priority` (least important first).",
+    )
+
+
+class TenantQuota(PolicyModel):
+    """Caps one tenant's share of the running set and of each step's tokens."""
+
+    name: str = Field(min_length=1, max_length=253, description="Tenant name (from `user` or X-Tenant).")
+    max_running_share: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="Largest fraction of maxSequences this tenant may hold."
+    )
+    max_token_share: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="Largest fraction of a step's token budget this tenant may use."
+    )
+    weight: float = Field(default=1.0, gt=0.0, le=1000.0, description="Fair-share weight among tenants.")
+
+
+def _default_priority_classes() -> list[PriorityClass]:
+    return [
+        PriorityClass(name="interactive", priority=0),
+        PriorityClass(name="standard", priority=1),
+        PriorityClass(name="batch", priority=2),
+    ]
+
+
+class SchedulerPolicy(PolicyModel):
+    """Per-step scheduling: budgets, chunking, priorities, fairness, preemption."""
+
+    token_budget: int = Field(
+        default=2048, ge=1, le=1_048_576, description="Most tokens (decode + prefill) computed in one step."
+    )
+    max_sequences: int = Field(default=64, ge=1, le=4096, description="Most sequences resident in one step.")
+    prefill_chunk_size: int | None = Field(
+        default=512,
+        ge=1,
+        le=1_048_576,
+        description="Most prompt tokens one sequence may compute in one step. Null derives it "
+        "from itlTargetMs and the measured cost model, else it equals tokenBudget.",
+    )
+    itl_target_ms: float | None = Field(
+        default=None, gt=0.0, le=60_000.0, description="Inter-token latency target used to derive prefillChunkSize."
+    )
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        default="recompute", description="How a victim gives up its KV blocks when memory runs out."
+    )
+    priority_classes: list[PriorityClass] = Field(
+        default_factory=_default_priority_classes, min_length=1, max_length=16
+    )
+    default_priority_class: str = Field(default="standard", pattern=DNS_LABEL)
+    aging_seconds_per_level: float | None = Field(
+        default=10.0,
+        gt=0.0,
+        le=86_400.0,
+        description="A waiting request gains one priority level per this many seconds since arrival; null disables aging.",
+    )
+    tenant_fairness: bool = Field(default=True, description="Share admission fairly among tenants at the same level.")
+    tenant_quotas: list[TenantQuota] = Field(default_factory=list, max_length=256)
+    default_tenant_max_running_share: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="maxRunningShare for tenants without a quota entry."
+    )
+    max_lookahead_tokens: int = Field(
+        default=0, ge=0, le=16, description="Speculative draft tokens a decode may carry; budgeted like any token."
+    )
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> "SchedulerPolicy":
+        names = [c.name for c in self.priority_classes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"priorityClasses: duplicate names in {names}")
+        if self.default_priority_class not in names:
+            raise ValueError(
+                f"defaultPriorityClass: {self.default_priority_class!r} is not one of the priorityClasses {names}"
+            )
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size > self.token_budget:
+            raise ValueError(
+                f"prefillChunkSize: {self.prefill_chunk_size} exceeds tokenBudget {self.token_budget}"
+            )
+        tenants = [q.name for q in self.tenant_quotas]
+        if len(set(tenants)) != len(tenants):
+            raise ValueError("tenantQuotas: duplicate tenant names")
+        return self
+
+    def priority_of(self, class_name: str) -> int:
+        """The priority level of a class; KeyError names the known classes."""
+        for c in self.priority_classes:
+            if c.name == class_name:
+                return c.priority
+        raise KeyError(f"unknown priority class {class_name!r}; known: {[c.name for c in self.priority_classes]}")
+
+    def quota_of(self, tenant: str) -> TenantQuota:
+        for q in self.tenant_quotas:
+            if q.name == tenant:
+                return q
+        return TenantQuota(name=tenant or "default", max_running_share=self.default_tenant_max_running_share)
+
+
+class KVCachePolicy(PolicyModel):
+    """The paged KV cache: block geometry, capacity, host swap space, prefix caching."""
+
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV block.")
+    num_blocks: int | None = Field(
+        default=None, ge=1, le=10_000_000, description="Device blocks; null sizes the cache from memoryFraction."
+    )
+    memory_fraction: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="Share of free accelerator memory for weights and KV cache."
+    )
+    swap_blocks: int = Field(default=0, ge=0, le=10_000_000, description="Host blocks for swap preemption.")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse full blocks of identical prefixes.")
+
+
+class AdmissionPolicy(PolicyModel):
+    """Bounded queue: reject early, with a reason and a Retry-After, instead of queueing forever."""
+
+    max_queued_requests: int = Field(default=256, ge=1, le=1_000_000)
+    max_queued_tokens: int = Field(
+        default=262_144, ge=1, le=1_000_000_000, description="Bound on prompt + output tokens waiting."
+    )
+    max_queue_wait_seconds: float = Field(
+        default=30.0, gt=0.0, le=3600.0, description="Reject when the estimated wait exceeds this."
+    )
+    max_tenant_queue_share: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="When the queue is more than half full, one tenant may hold at most this share of it, "
+        "so a heavy tenant cannot get a quiet tenant rejected.",
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=1, le=10_000_000, description="Longest prompt + output; null takes the model's context."
+    )
+    default_max_tokens: int = Field(default=256, ge=1, le=1_000_000)
+
+
+class EngineConfig(PolicyModel):
+    """The whole engine-facing document: what a ConfigMap, --config file or simulator config holds."""
+
+    scheduler: SchedulerPolicy = Field(default_factory=SchedulerPolicy)
+    kv_cache: KVCachePolicy = Field(default_factory=KVCachePolicy)
+    admission: AdmissionPolicy = Field(default_factory=AdmissionPolicy)
+    tenant_labels: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Tenants given their own metrics label; the rest are reported as `other`.",
+    )
