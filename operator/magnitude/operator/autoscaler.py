@@ -1,0 +1,292 @@
+"""The autoscaling and load-shedding policy: pure functions from observed load to a decision.
+
+One tick takes every pod's scraped load, the spec's targets and what earlier ticks remembered,
+and returns the replica count, the priority classes to shed, the new memory, and (when scaling
+down) pod-deletion costs so the least-loaded pods go first. Rules:
+
+* HPA-style ratio: desired = ceil(pods_with_metrics x max(kv/targetKv, queueP90/targetQueue)),
+  unchanged while every ratio is within 1 +/- tolerance.
+* Stabilization as in the HPA: scale up to the *lowest* recommendation of the up-window (0 s by
+  default: fast), scale down to the *highest* of the down-window (300 s: slow); one step grows by
+  at most `maxScaleUpFactor`; the result is clamped to [minReplicas, maxReplicas].
+* No scale-up while pods are pending or loading (their capacity is already on its way).
+* Missing or stale metrics hold the current size and say so.
+* Shedding only when the service cannot grow (autoscaling off, or at maxReplicas): one more class
+  (least important first) every `stepSeconds` while overloaded, one class fewer every `stepSeconds`
+  while calm; the band between the on and off thresholds holds (hysteresis).
+
+No kopf, kubernetes, prometheus_client or I/O here; time is a parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from magnitude.operator.spec import Autoscaling, LoadShedding, ModelServiceSpec
+
+MAX_RECOMMENDATIONS = 512
+
+# Scaling reasons (the `Scaling` condition's reason and the Event reason when the size changes).
+SCALED_UP = "ScaledUp"
+SCALED_DOWN = "ScaledDown"
+STABLE = "WithinTolerance"
+STABILIZING = "StabilizingScaleDown"
+AT_MAX = "AtMaxReplicas"
+AT_MIN = "AtMinReplicas"
+PODS_PENDING = "PodsPending"
+METRICS_UNAVAILABLE = "MetricsUnavailable"
+EXTERNAL = "AutoscalingDisabled"
+
+# Shedding reasons.
+SHED_STARTED = "SheddingStarted"
+SHED_ESCALATED = "SheddingEscalated"
+SHED_REDUCED = "SheddingReduced"
+SHED_STOPPED = "SheddingStopped"
+SHED_HOLDING = "SheddingHeld"
+NOT_SHEDDING = "NotShedding"
+SHED_DISABLED = "SheddingDisabled"
+
+
+@dataclass(frozen=True)
+class PodLoad:
+    """One pod's scraped load. `queue_buckets` are (upper bound, observations) since the last scrape."""
+
+    name: str
+    ready: bool
+    age: float | None = None  # seconds since the scrape; None: never scraped
+    kv_usage: float | None = None
+    waiting: float = 0.0
+    running: float = 0.0
+    queue_buckets: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Load:
+    """Aggregated load over the pods with fresh metrics."""
+
+    fresh_pods: int
+    ready_pods: int
+    kv_usage: float | None = None
+    waiting: float | None = None
+    running: float | None = None
+    queue_time_p90: float | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.fresh_pods > 0 and self.kv_usage is not None
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the policy carries from one tick to the next (persisted in status)."""
+
+    recommendations: tuple[tuple[float, int], ...] = ()
+    shed_classes: tuple[str, ...] = ()
+    shed_changed_at: float | None = None
+    overloaded_since: float | None = None
+    calm_since: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    reason: str
+    message: str
+    shed_classes: tuple[str, ...]
+    shed_reason: str
+    shed_message: str
+    memory: Memory
+    load: Load
+    deletion_costs: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def shedding(self) -> bool:
+        return bool(self.shed_classes)
+
+
+def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...]) -> float | None:
+    """Quantile of per-bucket (not cumulative) counts, interpolated linearly inside a bucket as
+    Prometheus' histogram_quantile does; the +Inf bucket answers with the largest finite bound."""
+    ordered = sorted(buckets)
+    total = sum(c for _, c in ordered)
+    if total <= 0:
+        return None
+    rank = q * total
+    seen = 0.0
+    lower = 0.0
+    for upper, count in ordered:
+        if count > 0 and seen + count >= rank:
+            if math.isinf(upper):
+                return lower
+            return lower + (upper - lower) * (rank - seen) / count
+        seen += count
+        if not math.isinf(upper):
+            lower = upper
+    return lower
+
+
+def aggregate(pods: tuple[PodLoad, ...] | list[PodLoad], max_age: float) -> Load:
+    """Mean KV usage, summed queues and the merged queue-time p90 over ready pods with fresh metrics."""
+    ready = [p for p in pods if p.ready]
+    fresh = [p for p in ready if p.age is not None and p.age <= max_age and p.kv_usage is not None]
+    if not fresh:
+        return Load(fresh_pods=0, ready_pods=len(ready))
+    merged: dict[float, float] = {}
+    for p in fresh:
+        for upper, count in p.queue_buckets:
+            merged[upper] = merged.get(upper, 0.0) + count
+    return Load(
+        fresh_pods=len(fresh),
+        ready_pods=len(ready),
+        kv_usage=sum(p.kv_usage or 0.0 for p in fresh) / len(fresh),
+        waiting=sum(p.waiting for p in fresh),
+        running=sum(p.running for p in fresh),
+        queue_time_p90=histogram_quantile(0.9, tuple(merged.items())),
+    )
+
+
+def usage_ratio(load: Load, targets: Autoscaling) -> float:
+    """The larger of the KV and queue-time ratios to their targets (1.0 = exactly on target)."""
+    ratios = [(load.kv_usage or 0.0) / targets.target_kv_usage]
+    if load.queue_time_p90 is not None:
+        ratios.append(load.queue_time_p90 / targets.target_queue_time_seconds)
+    return max(ratios)
+
+
+def shed_order(spec: ModelServiceSpec) -> tuple[str, ...]:
+    """Classes in the order they are shed: least important (highest shedOrder/priority) first,
+    never the most important one unless loadShedding.maxShedClasses says so."""
+    classes = sorted(
+        spec.scheduler.priority_classes,
+        key=lambda c: (-(c.shed_order if c.shed_order is not None else c.priority), c.name),
+    )
+    limit = spec.load_shedding.max_shed_classes
+    limit = len(classes) - 1 if limit is None else min(limit, len(classes))
+    return tuple(c.name for c in classes[:limit])
+
+
+def deletion_costs(pods: tuple[PodLoad, ...] | list[PodLoad], max_age: float) -> dict[str, int]:
+    """controller.kubernetes.io/pod-deletion-cost per ready pod: in-flight work, so the ReplicaSet
+    removes the least-loaded pods first. Pods without fresh metrics cost 0 (their load is unknown)."""
+    costs: dict[str, int] = {}
+    for p in pods:
+        if not p.ready:
+            continue
+        if p.age is None or p.age > max_age or p.kv_usage is None:
+            costs[p.name] = 0
+        else:
+            costs[p.name] = int(round(1000 * (p.running + p.waiting) + 100 * p.kv_usage))
+    return costs
+
+
+def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load: Load, memory: Memory,
+           now: float) -> tuple[int, str, str, Memory]:
+    a = spec.autoscaling
+    lo, hi = spec.min_replicas, spec.max_replicas
+    if not a.enabled:
+        want = spec.replicas if spec.replicas is not None else lo
+        return want, EXTERNAL, f"autoscaling is off; spec.replicas decides ({want})", replace(memory, recommendations=())
+    not_ready = sum(1 for p in pods if not p.ready) + max(0, current - len(pods))
+    if current > 0 and not load.available:
+        why = (f"no fresh metrics from {load.ready_pods} ready pod(s) (max age {a.metrics_max_age_seconds:g}s); "
+               f"holding {current}")
+        return _clamp_hold(current, lo, hi, METRICS_UNAVAILABLE, why, memory)
+    ratio = usage_ratio(load, a) if load.available else 0.0
+    if load.available and abs(ratio - 1.0) <= a.tolerance:
+        raw = current
+    else:
+        raw = math.ceil(load.fresh_pods * ratio - 1e-9) if load.available else lo
+    recommendation = max(lo, min(hi, raw))
+    window = max(a.scale_up_stabilization_seconds, a.scale_down_stabilization_seconds)
+    recs = tuple((t, r) for t, r in memory.recommendations if now - t <= window)[-(MAX_RECOMMENDATIONS - 1):]
+    recs = recs + ((now, recommendation),)
+    up = min(r for t, r in recs if now - t <= a.scale_up_stabilization_seconds)
+    down = max(r for t, r in recs if now - t <= a.scale_down_stabilization_seconds)
+    new = current
+    if new < up:
+        new = up
+    if new > down:
+        new = down
+    new = min(new, max(math.ceil(current * a.max_scale_up_factor), current + 1))
+    new = max(lo, min(hi, new))
+    memory = replace(memory, recommendations=recs)
+    detail = (f"kv {load.kv_usage:.2f}/{a.target_kv_usage:g}, queue p90 "
+              f"{'n/a' if load.queue_time_p90 is None else f'{load.queue_time_p90:.2f}s'}"
+              f"/{a.target_queue_time_seconds:g}s over {load.fresh_pods} pod(s), ratio {ratio:.2f}")
+    if new > current and not_ready > 0:
+        return current, PODS_PENDING, f"{not_ready} pod(s) pending or loading; not scaling past {current} ({detail})", memory
+    if new > current:
+        return new, SCALED_UP, f"{current} -> {new}: {detail}", memory
+    if new < current:
+        return new, SCALED_DOWN, f"{current} -> {new}: {detail}", memory
+    if raw > hi and current >= hi:
+        return current, AT_MAX, f"wants {raw} but maxReplicas is {hi}: {detail}", memory
+    if raw < current and current > lo:
+        return current, STABILIZING, (f"wants {recommendation}; holding {current} for the "
+                                      f"{a.scale_down_stabilization_seconds:g}s scale-down window: {detail}"), memory
+    if raw < lo and current == lo:
+        return current, AT_MIN, f"at minReplicas {lo}: {detail}", memory
+    return current, STABLE, f"holding {current}: {detail}", memory
+
+
+def _clamp_hold(current: int, lo: int, hi: int, reason: str, message: str, memory: Memory) -> tuple[int, str, str, Memory]:
+    return max(lo, min(hi, current)), reason, message, memory
+
+
+def _shed(spec: ModelServiceSpec, at_capacity: bool, load: Load, memory: Memory,
+          now: float) -> tuple[tuple[str, ...], str, str, Memory]:
+    s: LoadShedding = spec.load_shedding
+    order = shed_order(spec)
+    shed = tuple(c for c in memory.shed_classes if c in order)  # classes removed from the spec un-shed
+    if not s.enabled:
+        return (), (SHED_STOPPED if shed else SHED_DISABLED), "loadShedding.enabled is false", Memory(
+            recommendations=memory.recommendations)
+    if not load.available:
+        msg = f"metrics unavailable; holding shed classes {list(shed)}" if shed else "metrics unavailable"
+        return shed, (SHED_HOLDING if shed else NOT_SHEDDING), msg, replace(memory, shed_classes=shed)
+    kv = load.kv_usage or 0.0
+    q = load.queue_time_p90
+    overloaded = kv >= s.kv_usage_on or (q is not None and q >= s.queue_time_on_seconds)
+    calm = kv <= s.kv_usage_off and (q is None or q <= s.queue_time_off_seconds)
+    detail = f"kv {kv:.2f} (on {s.kv_usage_on:g}, off {s.kv_usage_off:g}), queue p90 " + (
+        "n/a" if q is None else f"{q:.2f}s") + f" (on {s.queue_time_on_seconds:g}s, off {s.queue_time_off_seconds:g}s)"
+    changed_at = memory.shed_changed_at if memory.shed_changed_at is not None else -math.inf
+    if overloaded and at_capacity:
+        mem = replace(memory, shed_classes=shed, calm_since=None,
+                      overloaded_since=memory.overloaded_since if memory.overloaded_since is not None else now)
+        if not shed and order:
+            new = order[:1]
+            return new, SHED_STARTED, f"shedding {list(new)}: {detail}", replace(mem, shed_classes=new, shed_changed_at=now)
+        if len(shed) < len(order) and now - changed_at >= s.step_seconds:
+            new = order[: len(shed) + 1]
+            return new, SHED_ESCALATED, f"shedding {list(new)}: {detail}", replace(mem, shed_classes=new, shed_changed_at=now)
+        return shed, SHED_HOLDING, f"overloaded, shedding {list(shed)}: {detail}", mem
+    if calm:
+        mem = replace(memory, shed_classes=shed, overloaded_since=None,
+                      calm_since=memory.calm_since if memory.calm_since is not None else now)
+        if shed and now - max(mem.calm_since or now, changed_at) >= s.step_seconds:
+            new = shed[:-1]
+            reason = SHED_REDUCED if new else SHED_STOPPED
+            return new, reason, f"calm; shedding {list(new)}: {detail}", replace(mem, shed_classes=new, shed_changed_at=now)
+        if shed:
+            return shed, SHED_HOLDING, f"calm, waiting {s.step_seconds:g}s before un-shedding: {detail}", mem
+        return (), NOT_SHEDDING, detail, mem
+    mem = replace(memory, shed_classes=shed, overloaded_since=None, calm_since=None)
+    if shed:
+        return shed, SHED_HOLDING, f"between thresholds, holding {list(shed)}: {detail}", mem
+    why = "overloaded but the service can still grow" if overloaded else "below the shedding thresholds"
+    return (), NOT_SHEDDING, f"{why}: {detail}", mem
+
+
+def decide(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...] | list[PodLoad], memory: Memory,
+           now: float) -> Decision:
+    """One tick of the policy. `current` is the replica count now targeted (the Deployment's spec)."""
+    pods = tuple(pods)
+    load = aggregate(pods, spec.autoscaling.metrics_max_age_seconds)
+    replicas, reason, message, memory = _scale(spec, current, pods, load, memory, now)
+    at_capacity = (not spec.autoscaling.enabled) or (replicas >= spec.max_replicas and reason != SCALED_UP)
+    shed, shed_reason, shed_message, memory = _shed(spec, at_capacity, load, memory, now)
+    costs = deletion_costs(pods, spec.autoscaling.metrics_max_age_seconds) if replicas < current else {}
+    return Decision(replicas=replicas, reason=reason, message=message, shed_classes=shed, shed_reason=shed_reason,
+                    shed_message=shed_message, memory=memory, load=load, deletion_costs=costs)

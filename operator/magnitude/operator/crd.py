@@ -1,0 +1,275 @@
+"""Generates the ModelService CRD from the pydantic models in `spec.py` (one source).
+
+The pydantic JSON schema is rewritten into a Kubernetes *structural* schema: `$ref`s are inlined,
+`X | None` becomes `X` (plus `nullable` where null means something other than the default),
+numeric exclusive bounds take the OpenAPI v3.0 boolean form, default-constructed objects and lists
+get explicit defaults so the API server fills them in, and cross-field rules are added as CEL
+`x-kubernetes-validations`. `render()` is what `magnitude crd` prints and `crds/modelservice.yaml` holds.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from magnitude.policy.schema import DNS_LABEL
+from magnitude.operator.spec import (
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    ModelServiceSpec,
+    ModelServiceStatus,
+)
+
+# Cross-field rules, keyed by the pydantic class whose object they sit on. Each mirrors a
+# model_validator in the pydantic models, so the API server refuses what the engine would.
+CEL_RULES: dict[str, list[dict[str, str]]] = {
+    "ModelServiceSpec": [
+        {
+            "rule": "self.minReplicas <= self.maxReplicas",
+            "message": "minReplicas must be less than or equal to maxReplicas",
+            "fieldPath": ".minReplicas",
+        },
+    ],
+    "SchedulerPolicy": [
+        {
+            # type() guards an explicit null (prefillChunkSize is nullable: null derives it).
+            "rule": "!has(self.prefillChunkSize) || type(self.prefillChunkSize) != int"
+            " || self.prefillChunkSize <= self.tokenBudget",
+            "message": "prefillChunkSize must be less than or equal to tokenBudget",
+            "fieldPath": ".prefillChunkSize",
+        },
+        {
+            "rule": "self.priorityClasses.exists(c, c.name == self.defaultPriorityClass)",
+            "message": "defaultPriorityClass must be the name of one of the priorityClasses",
+            "fieldPath": ".defaultPriorityClass",
+        },
+    ],
+    "LoadShedding": [
+        {
+            "rule": "self.kvUsageOff <= self.kvUsageOn",
+            "message": "kvUsageOff must be less than or equal to kvUsageOn (hysteresis)",
+            "fieldPath": ".kvUsageOff",
+        },
+        {
+            "rule": "self.queueTimeOffSeconds <= self.queueTimeOnSeconds",
+            "message": "queueTimeOffSeconds must be less than or equal to queueTimeOnSeconds (hysteresis)",
+            "fieldPath": ".queueTimeOffSeconds",
+        },
+    ],
+}
+
+# Lists whose items are keyed: the API server enforces unique keys and SSA merges per item.
+LIST_MAP_KEYS: dict[tuple[str, str], list[str]] = {
+    ("SchedulerPolicy", "priorityClasses"): ["name"],
+    ("SchedulerPolicy", "tenantQuotas"): ["name"],
+    ("ModelServiceStatus", "conditions"): ["type"],
+}
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
+    {"name": "KV usage", "type": "number", "jsonPath": ".status.load.kvUsage"},
+    {"name": "Queue", "type": "number", "jsonPath": ".status.load.queueTimeP90Seconds",
+     "description": "Queue-time p90 in seconds over the last sync interval."},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+_COPIED_KEYS = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems",
+                "maxItems", "description", "format")
+
+
+def _model_classes(root: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """Every pydantic class reachable from `root`, by name (the names `$defs` uses)."""
+    found: dict[str, type[BaseModel]] = {}
+
+    def visit(cls: type[BaseModel]) -> None:
+        if cls.__name__ in found:
+            return
+        found[cls.__name__] = cls
+        for field in cls.model_fields.values():
+            for arg in _type_args(field.annotation):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    visit(arg)
+
+    visit(root)
+    return found
+
+
+def _type_args(annotation: Any) -> list[Any]:
+    args = list(getattr(annotation, "__args__", ()) or ())
+    out = [annotation]
+    for a in args:
+        out.extend(_type_args(a))
+    return out
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def _field_default(field: FieldInfo) -> tuple[bool, Any]:
+    """(has a default worth writing into the CRD, that default in wire form)."""
+    if field.is_required():
+        return False, None
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return False, None
+    if isinstance(value, BaseModel):
+        return True, {}  # nested defaults come from the nested schema
+    if isinstance(value, list):
+        return True, _drop_none([v.to_document() if isinstance(v, BaseModel) else v for v in value])
+    return True, value
+
+
+class _Converter:
+    def __init__(self, root: type[BaseModel], with_defaults: bool) -> None:
+        self.schema = root.model_json_schema(by_alias=True, mode="validation")
+        self.defs = self.schema.get("$defs", {})
+        self.classes = _model_classes(root)
+        self.with_defaults = with_defaults
+
+    def root(self, cls: type[BaseModel]) -> dict[str, Any]:
+        return self.obj(self.schema, cls)
+
+    def obj(self, node: dict[str, Any], cls: type[BaseModel]) -> dict[str, Any]:
+        by_alias = {(f.alias or name): f for name, f in cls.model_fields.items()}
+        props: dict[str, Any] = {}
+        required: list[str] = []
+        for alias, sub in node.get("properties", {}).items():
+            field = by_alias[alias]
+            prop, null_ok = self.value(sub)
+            has_default, default = _field_default(field)
+            if field.is_required():
+                required.append(alias)
+            elif has_default and self.with_defaults:
+                prop["default"] = default
+            if null_ok and has_default:
+                prop["nullable"] = True  # null is a distinct choice from the default here
+            keys = LIST_MAP_KEYS.get((cls.__name__, alias))
+            if keys:
+                prop["x-kubernetes-list-type"] = "map"
+                prop["x-kubernetes-list-map-keys"] = keys
+            props[alias] = prop
+        out: dict[str, Any] = {"type": "object"}
+        if cls.__doc__:
+            out["description"] = " ".join(cls.__doc__.split())
+        out["properties"] = props
+        if required:
+            out["required"] = required
+        rules = CEL_RULES.get(cls.__name__)
+        if rules:
+            out["x-kubernetes-validations"] = [dict(r) for r in rules]
+        return out
+
+    def value(self, node: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """(structural schema, whether null is accepted)."""
+        description = node.get("description")
+        if "anyOf" in node:
+            branches = [b for b in node["anyOf"] if b.get("type") != "null"]
+            if len(branches) != 1:
+                raise ValueError(f"only `X | None` unions map to a structural schema, got {node['anyOf']}")
+            out, _ = self.value(branches[0])
+            if description:
+                out["description"] = description
+            return out, len(branches) < len(node["anyOf"])
+        if "$ref" in node:
+            name = node["$ref"].rsplit("/", 1)[-1]
+            out = self.obj(self.defs[name], self.classes[name])
+            if description:
+                out["description"] = description
+            return out, False
+        if node.get("type") == "array":
+            item, _ = self.value(node["items"])
+            out = {k: node[k] for k in _COPIED_KEYS if k in node}
+            out["items"] = item
+            return out, False
+        out = {k: node[k] for k in _COPIED_KEYS if k in node}
+        if "enum" in node and "type" not in node:
+            out["type"] = "string"
+        for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if bound in node:
+                out[plain] = node[bound]
+                out[bound] = True
+        if out.get("pattern") == DNS_LABEL:
+            out.setdefault("maxLength", 63)  # bounds CEL cost estimates; the pattern already implies it
+        return out, False
+
+
+def spec_schema() -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of `spec`."""
+    return _Converter(ModelServiceSpec, with_defaults=True).root(ModelServiceSpec)
+
+
+def status_schema() -> dict[str, Any]:
+    """The structural schema of `status` (no defaults: the operator writes every field it owns)."""
+    return _Converter(ModelServiceStatus, with_defaults=False).root(ModelServiceStatus)
+
+
+def build() -> dict[str, Any]:
+    """The CustomResourceDefinition object."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["magnitude"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A served model: engine policy, model, resources, scaling and shedding.",
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema(),
+                                "status": status_schema(),
+                            },
+                            "required": ["spec"],
+                        }
+                    },
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
+                }
+            ],
+        },
+    }
+
+
+def render() -> str:
+    """The CRD as YAML: exactly the bytes of `crds/modelservice.yaml`."""
+    header = "# Generated by `magnitude crd` from operator/magnitude/operator/spec.py. Do not edit.\n"
+    return header + yaml.safe_dump(build(), sort_keys=False, width=100, allow_unicode=True)

