@@ -1,0 +1,338 @@
+"""The FastAPI app: OpenAI routes, health, metrics, admin shedding, auth, streaming.
+
+`create_app(engine, registry, settings)` wires an `AsyncEngine` (which loads the model in the
+background) to HTTP. Requests are validated by `protocol.py`; checks that need the loaded model
+(model name, context length, priority class) happen here; admission answers 429 with
+Retry-After; a client disconnect (streaming or not) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
+
+from magnitude.engine.sampling import SamplingParams
+from magnitude.server.async_engine import (
+    AsyncEngine,
+    Delta,
+    Failed,
+    Finished,
+    NotReady,
+    Progress,
+    Rejected,
+    RequestSpec,
+    RequestStream,
+)
+from magnitude.server.errors import APIError, install_error_handlers
+from magnitude.server.protocol import ChatCompletionRequest, CompletionRequest, SheddingRequest
+from magnitude.server.responses import SSE_DONE, ResponseBuilder, sse
+
+log = logging.getLogger("magnitude.server")
+
+NOT_READY_RETRY_S = 5.0
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None  # bearer key for /v1 routes; None: open
+    admin_token: str | None = None  # bearer token for /admin routes; None: admin disabled
+    served_model_name: str | None = None  # extra name clients may use for the model
+    shutdown_grace_s: float = 30.0
+    loading_wait_s: float = 600.0  # how long a streaming request with include_progress waits for loading
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "ServerSettings":
+        s = cls(api_key=os.environ.get("MAGNITUDE_API_KEY") or None, admin_token=os.environ.get("MAGNITUDE_ADMIN_TOKEN") or None)
+        for k, v in overrides.items():
+            if v is not None:
+                setattr(s, k, v)
+        return s
+
+
+def _bearer_ok(authorization: str | None, secret: str) -> bool:
+    if not authorization or not authorization.lower().startswith("bearer "):
+        return False
+    return hmac.compare_digest(authorization[7:].strip().encode(), secret.encode())
+
+
+def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown(grace_s=0.0 if engine.stopping else settings.shutdown_grace_s)
+
+    app = FastAPI(title="Magnitude", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.settings = settings
+    install_error_handlers(app)
+
+    async def require_api_key(authorization: str | None = Header(default=None)) -> None:
+        if settings.api_key and not _bearer_ok(authorization, settings.api_key):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    async def require_admin(authorization: str | None = Header(default=None)) -> None:
+        if not settings.admin_token:
+            raise APIError(403, "admin endpoint disabled: set MAGNITUDE_ADMIN_TOKEN", code="admin_disabled")
+        if not _bearer_ok(authorization, settings.admin_token):
+            raise APIError(401, "missing or invalid admin token", code="invalid_admin_token")
+
+    def model_names() -> list[str]:
+        names = [n for n in (engine.model_name, settings.served_model_name) if n]
+        return list(dict.fromkeys(names))
+
+    # -- health, readiness, metrics ---------------------------------------------------------------
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if engine.ready:
+            return JSONResponse({"status": "ready", "model": engine.model_name, "load_seconds": engine.load_seconds})
+        phase, message = engine.not_ready_reason()
+        return JSONResponse(
+            {"status": "not_ready", "phase": phase, "progress": engine.phase_progress, "message": message},
+            status_code=503,
+            headers={"Retry-After": str(int(NOT_READY_RETRY_S))},
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        engine.refresh_gauges()
+        body, content_type = engine.metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    # -- admin --------------------------------------------------------------------------------------
+    @app.get("/admin/shedding", dependencies=[Depends(require_admin)])
+    async def get_shedding() -> dict[str, Any]:
+        return {"enabled": bool(engine.shed_classes), "shed_classes": sorted(engine.shed_classes), "order": engine.shed_order()}
+
+    @app.post("/admin/shedding", dependencies=[Depends(require_admin)])
+    async def post_shedding(body: SheddingRequest) -> dict[str, Any]:
+        shed = engine.set_shedding(body.enabled, body.levels)
+        log.warning("load shedding %s: %s", "on" if shed else "off", shed)
+        return {"enabled": bool(shed), "shed_classes": shed, "order": engine.shed_order()}
+
+    # -- OpenAI -------------------------------------------------------------------------------------
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    async def list_models() -> dict[str, Any]:
+        data = [
+            {"id": n, "object": "model", "created": 0, "owned_by": "magnitude", "max_model_len": engine.max_model_len or None}
+            for n in model_names()
+        ]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request, x_tenant: str | None = Header(default=None)
+    ) -> Response:
+        return await _serve(body, request, x_tenant, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
+    async def completions(body: CompletionRequest, request: Request, x_tenant: str | None = Header(default=None)) -> Response:
+        return await _serve(body, request, x_tenant, chat=False)
+
+    # -- request handling ---------------------------------------------------------------------------
+    def check_not_ready() -> None:
+        if not engine.ready:
+            phase, message = engine.not_ready_reason()
+            raise APIError(503, message, code=f"not_ready:{phase}", retry_after_s=NOT_READY_RETRY_S)
+
+    async def prepare(body: ChatCompletionRequest | CompletionRequest, tenant: str, chat: bool) -> RequestSpec:
+        """Checks that need the loaded model, then tokenization and sampling parameters."""
+        if body.model not in model_names():
+            raise APIError(404, f"model '{body.model}' not found; available: {model_names()}", param="model", code="model_not_found")
+        classes = [c.name for c in engine.config.scheduler.priority_classes]
+        priority_class = body.priority_class or engine.config.scheduler.default_priority_class
+        if priority_class not in classes:
+            raise APIError(400, f"unknown priority_class '{priority_class}'; known: {classes}", param="priority_class")
+        renderer = engine.renderer
+        assert renderer is not None
+        prompt_param = "messages" if chat else "prompt"
+        try:
+            if isinstance(body, ChatCompletionRequest):
+                messages = [{"role": m.role, "content": m.text} for m in body.messages]
+                ids = await asyncio.to_thread(renderer.chat, messages)
+            elif isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
+                ids = list(body.prompt)  # type: ignore[arg-type]
+                bad = renderer.check_ids(ids)
+                if bad is not None:
+                    raise APIError(400, f"prompt token id {ids[bad]} at index {bad} is outside the vocabulary", param="prompt")
+            else:
+                text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+                ids = await asyncio.to_thread(renderer.text, text)  # type: ignore[arg-type]
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a chat template refusing a role order
+            raise APIError(400, f"could not render {prompt_param}: {exc}", param=prompt_param) from exc
+        if not ids:
+            raise APIError(400, f"{prompt_param} is empty after tokenization", param=prompt_param)
+        limit = engine.max_model_len
+        if len(ids) >= limit:
+            raise APIError(
+                400,
+                f"{prompt_param} has {len(ids)} tokens; the model's context is {limit} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = min(engine.config.admission.default_max_tokens, limit - len(ids))
+        elif len(ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"max_tokens={max_tokens} plus {len(ids)} prompt tokens exceeds the context of {limit} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                stop=body.stop_strings,
+                ignore_eos=body.ignore_eos,
+                logprobs=body.num_logprobs,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
+        return RequestSpec(
+            prompt_token_ids=ids,
+            sampling=sampling,
+            priority_class=priority_class,
+            tenant=tenant,
+            deadline_ms=body.deadline_ms,
+            include_progress=body.include_progress,
+        )
+
+    def submit(spec: RequestSpec) -> RequestStream:
+        try:
+            return engine.submit(spec)
+        except Rejected as exc:
+            kind = exc.reason.split(":", 1)[0]
+            if kind in ("too_long", "exceeds_kv_capacity"):
+                raise APIError(400, f"request too large for this server: {exc.reason}", param="max_tokens", code=kind) from exc
+            if kind == "unknown_priority_class":
+                raise APIError(400, f"unknown priority_class: {exc.reason}", param="priority_class", code=kind) from exc
+            raise APIError(429, f"server overloaded: {exc.reason}", code=kind, retry_after_s=exc.retry_after_s or 1.0) from exc
+        except NotReady as exc:
+            raise APIError(503, str(exc), code=f"not_ready:{exc.phase}", retry_after_s=NOT_READY_RETRY_S) from exc
+
+    async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, x_tenant: str | None, chat: bool) -> Response:
+        tenant = (x_tenant or body.user or "default").strip() or "default"
+        if len(tenant) > 253:
+            raise APIError(400, "tenant (X-Tenant or user) longer than 253 characters", param="user")
+        if body.stream and body.include_progress and not engine.ready and engine.phase not in ("failed",) and not engine.stopping:
+            return StreamingResponse(_stream_after_loading(body, tenant, chat), media_type="text/event-stream")
+        check_not_ready()
+        spec = await prepare(body, tenant, chat)
+        stream = submit(spec)
+        builder = ResponseBuilder(stream.request_id, chat, body.model, want_logprobs=spec.sampling.logprobs is not None)
+        headers = {"X-Request-Id": stream.request_id}
+        if body.stream:
+            return StreamingResponse(
+                _sse(stream, builder, body.include_usage, pre=[]), media_type="text/event-stream", headers=headers
+            )
+        return await _collect(stream, builder, request, headers)
+
+    async def _stream_after_loading(body: ChatCompletionRequest | CompletionRequest, tenant: str, chat: bool) -> AsyncIterator[str]:
+        """Streaming request that arrived while loading: report loading progress, then serve it."""
+        builder = ResponseBuilder("cmpl-loading", chat, body.model)
+        queue: list[str] = []
+
+        async def report(ev: Progress) -> None:
+            queue.append(sse(builder.progress_chunk(ev)))
+
+        waiter = asyncio.create_task(engine.wait_ready(report, settings.loading_wait_s))
+        try:
+            while not waiter.done():
+                await asyncio.wait({waiter}, timeout=0.2)
+                while queue:
+                    yield queue.pop(0)
+            while queue:
+                yield queue.pop(0)
+            waiter.result()
+            spec = await prepare(body, tenant, chat)
+            stream = submit(spec)
+        except (APIError, NotReady) as exc:
+            err = exc if isinstance(exc, APIError) else APIError(503, str(exc), code=f"not_ready:{exc.phase}")
+            yield sse(err.body())
+            yield SSE_DONE
+            return
+        finally:
+            waiter.cancel()
+        builder = ResponseBuilder(stream.request_id, chat, body.model, want_logprobs=spec.sampling.logprobs is not None)
+        async for chunk in _sse(stream, builder, body.include_usage, pre=[]):
+            yield chunk
+
+    async def _sse(stream: RequestStream, builder: ResponseBuilder, include_usage: bool, pre: list[str]) -> AsyncIterator[str]:
+        try:
+            for chunk in pre:
+                yield chunk
+            if builder.chat:
+                yield sse(builder.role_chunk())
+            async for ev in stream:
+                if isinstance(ev, Progress):
+                    yield sse(builder.progress_chunk(ev))
+                elif isinstance(ev, Delta):
+                    yield sse(builder.delta_chunk(ev))
+                elif isinstance(ev, Finished):
+                    yield sse(builder.finish_chunk(ev))
+                    if include_usage:
+                        yield sse(builder.usage_chunk(ev))
+                elif isinstance(ev, Failed):
+                    yield sse(APIError(ev.status, ev.message, code=ev.code).body())
+            yield SSE_DONE
+        finally:
+            # Client gone (the response task was cancelled) or stream ended: abort is a no-op if finished.
+            stream.abort()
+
+    async def _collect(stream: RequestStream, builder: ResponseBuilder, request: Request, headers: dict[str, str]) -> Response:
+        async def consume() -> tuple[list[Delta], Finished | Failed | None]:
+            deltas: list[Delta] = []
+            async for ev in stream:
+                if isinstance(ev, Delta):
+                    deltas.append(ev)
+                elif isinstance(ev, (Finished, Failed)):
+                    return deltas, ev
+            return deltas, None
+
+        async def disconnected() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        work = asyncio.create_task(consume())
+        watch = asyncio.create_task(disconnected())
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                stream.abort()
+        if work not in done:
+            return Response(status_code=499)  # nobody is listening; the request was aborted
+        deltas, end = work.result()
+        if isinstance(end, Failed):
+            raise APIError(end.status, end.message, code=end.code)
+        if end is None:
+            raise APIError(500, "stream ended without a result")
+        return JSONResponse(builder.full(deltas, end), headers=headers)
+
+    return app

@@ -1,0 +1,491 @@
+"""The asyncio-facing engine: load the runner, admit requests, stream their events, abort them.
+
+`AsyncEngine.submit()` (event-loop thread) builds an engine `Request`, runs admission
+synchronously (so the HTTP layer can answer 429 at once) and returns a `RequestStream` whose
+async iterator yields `Progress`, `Delta`, then exactly one terminal `Finished` or `Failed`.
+The engine-loop thread produces those events in `after_step` (under the loop's lock) and hands
+them to the asyncio side with `call_soon_threadsafe`. Loading runs in its own thread and reports
+phases (resolving, converting, loading_weights, warming_up) for `/readyz` and `loading` chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from magnitude.engine.output import RunnerOutput, StepPlan
+from magnitude.engine.sampling import SamplingParams
+from magnitude.policy.schema import EngineConfig
+from magnitude.server.engine_loop import EngineLoop, StepStats, stats_of
+from magnitude.server.metrics import EngineMetrics, RequestRecord
+from magnitude.server.output_processor import OutputState, TokenLogprob
+from magnitude.server.tokenization import PromptRenderer
+
+log = logging.getLogger("magnitude.async_engine")
+
+ProgressFn = Callable[[str, float], None]
+TERMINAL_EVENT_KINDS = {"finish": "finished", "cancel": "cancelled", "timeout": "timed_out", "reject": "rejected"}
+
+
+class Runner(Protocol):
+    tokenizer: Any
+    eos_token_ids: list[int]
+    max_model_len: int
+    model_name: str
+    num_blocks: int
+    num_swap_blocks: int
+
+    def execute(self, plan: StepPlan) -> RunnerOutput: ...
+
+
+# -- events a RequestStream yields ---------------------------------------------------------------
+@dataclass(slots=True)
+class Progress:
+    phase: str  # loading | queued | prefill | generating
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, **self.detail}
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Finished:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    timing: dict[str, float | None]
+
+
+@dataclass(slots=True)
+class Failed:
+    status: int
+    message: str
+    code: str
+
+
+Event = Progress | Delta | Finished | Failed
+
+
+class NotReady(Exception):
+    """503: still loading, shutting down, or the engine died."""
+
+    def __init__(self, phase: str, message: str) -> None:
+        super().__init__(message)
+        self.phase = phase
+
+
+class Rejected(Exception):
+    """429: admission refused the request."""
+
+    def __init__(self, reason: str, retry_after_s: float | None) -> None:
+        super().__init__(f"request rejected by admission: {reason}")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """What the HTTP layer hands the engine for one request (already validated)."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority_class: str
+    tenant: str = "default"
+    deadline_ms: float | None = None
+    include_progress: bool = False
+
+
+class RequestStream:
+    def __init__(self, request_id: str, engine: "AsyncEngine") -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self.done = False
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while not self.done:
+            for ev in await self._queue.get():
+                yield ev
+                if isinstance(ev, (Finished, Failed)):
+                    self.done = True
+                    return
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Tracked:
+    """Loop-thread-side state of one live request."""
+
+    request: Any
+    spec: RequestSpec
+    stream: RequestStream
+    out: OutputState
+    last_position: int | None = None
+    last_prefill: int = -1
+    generating_sent: bool = False
+    done: bool = False
+    events: list[Event] = field(default_factory=list)
+
+
+def _status_name(status: Any) -> str:
+    name = getattr(status, "name", str(status)).lower()
+    return {"finished": "finished", "cancelled": "cancelled", "timed_out": "timed_out", "rejected": "rejected"}.get(
+        name, "failed"
+    )
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        load_runner: Callable[[ProgressFn], Runner],
+        metrics: EngineMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self._load_runner = load_runner
+        self.phase = "starting"
+        self.phase_progress = 0.0
+        self.load_seconds: float | None = None
+        self.error: str | None = None
+        self.runner: Runner | None = None
+        self.renderer: PromptRenderer | None = None
+        self.loop: EngineLoop | None = None
+        self.model_name = ""
+        self.max_model_len = 0
+        self.stopping = False
+        self.shed_classes: set[str] = set()
+        self.last_stats: StepStats | None = None
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._tracked: dict[str, _Tracked] = {}
+        self._ready_event = threading.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Call from the event loop: loading proceeds in a background thread."""
+        self._aio = asyncio.get_running_loop()
+        threading.Thread(target=self._load, name="magnitude-loader", daemon=True).start()
+
+    def _on_progress(self, phase: str, fraction: float) -> None:
+        self.phase, self.phase_progress = phase, max(0.0, min(1.0, float(fraction)))
+
+    def _load(self) -> None:
+        t0 = time.monotonic()
+        try:
+            self.phase = "resolving"
+            runner = self._load_runner(self._on_progress)
+            from magnitude.engine.scheduler import Scheduler
+
+            self.runner = runner
+            self.model_name = runner.model_name
+            self.max_model_len = min(runner.max_model_len, self.config.admission.max_model_len or runner.max_model_len)
+            self.renderer = PromptRenderer(runner.tokenizer)
+            scheduler = Scheduler(
+                self.config,
+                num_blocks=runner.num_blocks,
+                num_swap_blocks=runner.num_swap_blocks,
+                max_model_len=self.max_model_len,
+            )
+            if self.shed_classes:
+                scheduler.set_shedding(set(self.shed_classes))
+            self.loop = EngineLoop(scheduler, runner, self, clock=self.clock)
+            self.loop.start()
+            self.load_seconds = time.monotonic() - t0
+            self.metrics.model_load_seconds.set(self.load_seconds)
+            self.metrics.engine_ready.set(1)
+            self.phase, self.phase_progress = "ready", 1.0
+            log.info("engine ready: %s in %.1fs", self.model_name, self.load_seconds)
+        except Exception as exc:  # noqa: BLE001 - a failed load is reported by /readyz, not a crash
+            log.exception("model loading failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.phase = "failed"
+        finally:
+            self._ready_event.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready" and self.loop is not None and self.loop.running and not self.stopping
+
+    def not_ready_reason(self) -> tuple[str, str]:
+        if self.stopping:
+            return "shutting_down", "server is shutting down"
+        if self.loop is not None and self.loop.dead is not None:
+            return "dead", f"engine loop failed: {self.loop.dead!r}"
+        if self.phase == "failed":
+            return "failed", f"model loading failed: {self.error}"
+        return self.phase, f"model is loading (phase {self.phase}, {self.phase_progress:.0%})"
+
+    async def wait_ready(self, on_progress: Callable[[Progress], Any] | None = None, timeout_s: float = 600.0) -> None:
+        """Wait for loading to finish, reporting phase changes; raises NotReady if it fails."""
+        last = None
+        deadline = time.monotonic() + timeout_s
+        while not self._ready_event.is_set() and time.monotonic() < deadline:
+            cur = (self.phase, round(self.phase_progress, 2))
+            if cur != last and on_progress is not None:
+                await on_progress(Progress("loading", {"stage": self.phase, "progress": cur[1]}))
+            last = cur
+            await asyncio.sleep(0.2)
+        if not self.ready:
+            raise NotReady(*self.not_ready_reason())
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop admitting; let in-flight requests finish within `grace_s`; cancel the rest; stop the loop."""
+        self.stopping = True
+        deadline = time.monotonic() + grace_s
+        while self._tracked and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.loop is not None:
+            for rid in list(self._tracked):
+                self.loop.abort(rid, reason="shutdown")
+            end = time.monotonic() + 5.0
+            while self._tracked and time.monotonic() < end and self.loop.running:
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(self.loop.stop)
+        self.metrics.engine_ready.set(0)
+
+    # -- shedding -----------------------------------------------------------------------------------
+    def shed_order(self) -> list[str]:
+        """Classes, least important first (highest shedOrder, defaulting to priority)."""
+        classes = self.config.scheduler.priority_classes
+        return [c.name for c in sorted(classes, key=lambda c: -(c.shed_order if c.shed_order is not None else c.priority))]
+
+    def set_shedding(self, enabled: bool, levels: int = 1) -> list[str]:
+        """Shed the `levels` least important classes (never the most important one); returns them."""
+        order = self.shed_order()
+        shed = order[: min(levels, len(order) - 1)] if enabled else []
+        self.shed_classes = set(shed)
+        if self.loop is not None:
+            with self.loop.lock:
+                self.loop.scheduler.set_shedding(set(shed))
+        self.metrics.set_shedding(shed)
+        return shed
+
+    # -- requests (event-loop thread) ---------------------------------------------------------------
+    def submit(self, spec: RequestSpec) -> RequestStream:
+        if not self.ready:
+            raise NotReady(*self.not_ready_reason())
+        assert self.loop is not None and self.runner is not None
+        from magnitude.engine.request import Request
+        from magnitude.runner.detokenize import IncrementalDetokenizer
+
+        now = self.clock()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(spec.prompt_token_ids),
+            num_prompt_tokens=len(spec.prompt_token_ids),
+            sampling=spec.sampling,
+            arrival_time=now,
+            priority_class=spec.priority_class,
+            tenant=spec.tenant,
+            deadline=None if spec.deadline_ms is None else now + spec.deadline_ms / 1000.0,
+            eos_token_ids=list(self.runner.eos_token_ids),
+            cache_key=f"{self.model_name}|{spec.tenant}",
+        )
+        stream = RequestStream(request_id, self)
+        tokenizer = self.runner.tokenizer
+        out = OutputState(tokenizer, IncrementalDetokenizer(tokenizer), spec.sampling.stop, spec.sampling.logprobs is not None)
+        tracked = _Tracked(request=request, spec=spec, stream=stream, out=out)
+        with self.loop.lock:
+            self._tracked[request_id] = tracked
+            decision = self.loop.add_request(request)
+            if not decision.accepted:
+                del self._tracked[request_id]
+                reason = decision.reason or "rejected"
+                self.metrics.observe_rejection(reason, spec.priority_class)
+                self.metrics.observe_request(
+                    RequestRecord(spec.priority_class, spec.tenant, "rejected", now, prompt_tokens=request.num_prompt_tokens)
+                )
+                raise Rejected(reason, decision.retry_after_s)
+            if spec.include_progress:
+                position = self.loop.scheduler.queue_position(request_id)
+                if position is not None:
+                    tracked.last_position = position
+                    stream._queue.put_nowait([Progress("queued", {"position": position})])
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self.loop is not None and request_id in self._tracked:
+            self.loop.abort(request_id)
+
+    def refresh_gauges(self) -> None:
+        if self.loop is not None:
+            with self.loop.lock:
+                self.metrics.set_gauges(stats_of(self.loop.scheduler, self.clock(), 0.0, None))
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._tracked)
+
+    # -- the loop thread's side (StepObserver) --------------------------------------------------------
+    def after_step(self, plan: StepPlan | None, output: RunnerOutput | None, updates: list[Any], stats: StepStats) -> None:
+        assert self.loop is not None
+        self.last_stats = stats
+        if plan is not None and plan.seqs:
+            self.metrics.observe_step(stats)
+        else:
+            self.metrics.set_gauges(stats)
+        now = stats.t
+        if plan is not None:
+            self._prefill_progress(plan)
+        sampled = output.sampled if output is not None else {}
+        for upd in updates:
+            tr = self._tracked.get(upd.request_id)
+            if tr is None or tr.done:
+                continue
+            try:
+                self._apply_update(tr, upd, sampled.get(upd.request_id), now)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the loop
+                log.exception("output processing failed for %s", upd.request_id)
+                self.loop.scheduler.abort(upd.request_id, now, reason="output_error")
+                self._fail(tr, "failed", 500, f"output processing failed: {type(exc).__name__}: {exc}", "internal_error")
+        for ev in self.loop.scheduler.drain_events():
+            tr = self._tracked.get(ev.request_id) if ev.request_id else None
+            if tr is None or tr.done or ev.kind not in TERMINAL_EVENT_KINDS:
+                continue
+            self._finalize_from_status(tr, TERMINAL_EVENT_KINDS[ev.kind], ev.reason or ev.kind)
+        self._queue_positions()
+        self._flush()
+
+    def on_dead(self, exc: BaseException) -> None:
+        self.metrics.engine_ready.set(0)
+        for tr in list(self._tracked.values()):
+            if not tr.done:
+                self._fail(tr, "failed", 500, f"engine failed: {type(exc).__name__}: {exc}", "engine_dead")
+        self._flush()
+
+    def _prefill_progress(self, plan: StepPlan) -> None:
+        for seq in plan.seqs:
+            tr = self._tracked.get(seq.request_id)
+            if tr is None or not tr.spec.include_progress:
+                continue
+            total = tr.request.num_prompt_tokens
+            if seq.start_position >= total:
+                continue
+            done = min(total, seq.start_position + seq.num_tokens)
+            if done != tr.last_prefill:
+                tr.last_prefill = done
+                tr.events.append(Progress("prefill", {"done": done, "total": total}))
+
+    def _apply_update(self, tr: _Tracked, upd: Any, sampled: Any, now: float) -> None:
+        new = list(upd.new_token_ids or [])
+        if new:
+            if tr.spec.include_progress and not tr.generating_sent:
+                tr.events.append(Progress("generating", {}))
+            tr.generating_sent = True
+            text, logprobs, stopped = tr.out.push(new, sampled)
+            self.metrics.observe_tokens(tr.spec.priority_class, tr.spec.tenant, len(new))
+            if text or logprobs:
+                tr.events.append(Delta(text, new, logprobs))
+            if stopped and not upd.finished:
+                self.loop.scheduler.finish_request(tr.request.request_id, now, "stop")
+                self._finish(tr, "stop", now)
+                return
+            if stopped:
+                self._finish(tr, "stop", now)
+                return
+        if upd.finished:
+            self._finalize_from_status(tr, _status_name(upd.status), upd.finish_reason or "stop")
+
+    def _finalize_from_status(self, tr: _Tracked, status: str, reason: str) -> None:
+        if status == "finished" and reason in ("stop", "length"):
+            self._finish(tr, reason, None)
+        elif status == "finished":  # finished with an error text (e.g. the runner failed this request)
+            self._fail(tr, "failed", 500, f"request failed: {reason}", "request_failed")
+        elif status == "timed_out":
+            self._fail(tr, status, 504, f"deadline_ms exceeded: {reason}", "deadline_exceeded")
+        elif status == "rejected":
+            self.metrics.observe_rejection(reason, tr.spec.priority_class)
+            self._fail(tr, status, 429, f"request rejected: {reason}", "rejected")
+        elif status == "cancelled":
+            self._fail(tr, status, 503, f"request cancelled: {reason}", "cancelled")
+        else:
+            self._fail(tr, "failed", 500, f"request failed: {reason}", "request_failed")
+
+    def _timing(self, req: Any, end: float | None) -> tuple[dict[str, float | None], RequestRecord]:
+        arrival = req.arrival_time
+        admitted = getattr(req, "admitted_time", None)
+        first = getattr(req, "first_token_time", None)
+        times = list(getattr(req, "token_times", []) or [])
+        finished = getattr(req, "finish_time", None) or end or (times[-1] if times else None)
+        ms = lambda a, b: None if a is None or b is None else round((b - a) * 1000.0, 3)  # noqa: E731
+        mean_itl = None
+        if len(times) >= 2:
+            mean_itl = round((times[-1] - times[0]) / (len(times) - 1) * 1000.0, 3)
+        timing = {
+            "queue_time_ms": ms(arrival, admitted),
+            "ttft_ms": ms(arrival, first),
+            "mean_itl_ms": mean_itl,
+            "e2e_ms": ms(arrival, finished),
+        }
+        rec = RequestRecord(
+            priority_class=req.priority_class,
+            tenant=req.tenant,
+            status="finished",
+            arrival=arrival,
+            admitted=admitted,
+            first_token=first,
+            finished=finished,
+            token_times=times,
+            prompt_tokens=req.num_prompt_tokens,
+            output_tokens=len(getattr(req, "output_token_ids", []) or []),
+        )
+        return timing, rec
+
+    def _finish(self, tr: _Tracked, finish_reason: str, end: float | None) -> None:
+        tail = tr.out.finish()
+        if tail:
+            tr.events.append(Delta(tail, [], []))
+        timing, rec = self._timing(tr.request, end)
+        self.metrics.observe_request(rec)
+        tr.events.append(Finished(finish_reason, rec.prompt_tokens, rec.output_tokens, timing))
+        tr.done = True
+
+    def _fail(self, tr: _Tracked, status: str, http_status: int, message: str, code: str) -> None:
+        _, rec = self._timing(tr.request, self.clock())
+        rec.status = status
+        self.metrics.observe_request(rec)
+        tr.events.append(Failed(http_status, message, code))
+        tr.done = True
+
+    def _queue_positions(self) -> None:
+        assert self.loop is not None
+        for tr in self._tracked.values():
+            if tr.done or not tr.spec.include_progress or tr.last_prefill >= 0 or tr.generating_sent:
+                continue
+            pos = self.loop.scheduler.queue_position(tr.request.request_id)
+            if pos is not None and pos != tr.last_position:
+                tr.last_position = pos
+                tr.events.append(Progress("queued", {"position": pos}))
+
+    def _flush(self) -> None:
+        assert self._aio is not None
+        for rid in list(self._tracked):
+            tr = self._tracked[rid]
+            if tr.events:
+                events, tr.events = tr.events, []
+                try:
+                    self._aio.call_soon_threadsafe(tr.stream._queue.put_nowait, events)
+                except RuntimeError:  # event loop closed during shutdown
+                    pass
+            if tr.done:
+                del self._tracked[rid]

@@ -1,0 +1,123 @@
+"""Every error the HTTP server returns, in OpenAI's error shape, naming the offending parameter.
+
+`APIError` is raised by handlers; the exception handlers installed by `install_error_handlers`
+turn it, FastAPI's validation errors (400: OpenAI answers invalid parameters with 400), routing
+errors (404/405) and anything unexpected (500, logged) into
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from magnitude.server.protocol import error_body
+
+log = logging.getLogger("magnitude.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error answer: HTTP status, OpenAI error fields and optional headers (Retry-After)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+
+def _param_of(loc: tuple | list) -> str | None:
+    """`('body', 'messages', 0, 'role')` -> `messages.0.role`; pydantic's union branch tags are dropped."""
+    parts = [str(p) for p in loc if p != "body"]
+    # Union branches show up as type names like 'str', 'list[str]', 'function-after[...]'.
+    parts = [p for p in parts if not (p.startswith(("list[", "function-", "constrained-")) or p in ("str", "int", "float", "bool", "TextPart"))]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", code="json_invalid")
+    param = _param_of(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "missing":
+        message = f"missing required parameter '{param}'"
+    else:
+        message = f"invalid parameter '{param}': {msg}" if param else msg
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return APIError(400, message, param=param, code=str(first.get("type")))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail) if exc.detail else "error"
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return JSONResponse(
+            error_body(message, _TYPES.get(exc.status_code, "invalid_request_error")),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)

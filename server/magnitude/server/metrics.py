@@ -1,0 +1,135 @@
+"""Prometheus adapter: turns per-step stats and finished requests' timestamps into DESIGN §3 metrics.
+
+The engine never imports prometheus_client; it hands this adapter plain dataclasses
+(`StepStats` per step, `RequestRecord` per finished request). The registry is injectable so
+tests use a fresh `CollectorRegistry()`. Latency metrics carry `priority_class`; tenant labels
+are bounded to the configured `tenant_labels` (plus `default`), everything else is `other`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "magnitude_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+
+
+class StepStatsLike(Protocol):
+    duration_s: float
+    running: int
+    waiting: int
+    swapped: int
+    kv_used_blocks: int
+    kv_total_blocks: int
+    preempted: list[tuple[str, str, str]]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's outcome and timestamps (seconds on one monotonic clock); None = not reached."""
+
+    priority_class: str
+    tenant: str
+    status: str  # finished | cancelled | timed_out | rejected | failed
+    arrival: float
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+class EngineMetrics:
+    """All `magnitude_*` series of DESIGN §3, registered on `registry`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, tenant_labels: Iterable[str] = ()) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._tenants = set(tenant_labels) | {"default"}
+        r = self.registry
+        g = lambda name, doc, labels=(): Gauge(PREFIX + name, doc, labels, registry=r)  # noqa: E731
+        self.requests_running = g("requests_running", "Sequences resident in the running set.")
+        self.requests_waiting = g("requests_waiting", "Requests admitted to the queue, not yet running.")
+        self.requests_swapped = g("requests_swapped", "Preempted sequences whose KV lives in host memory.")
+        self.kv_cache_usage_ratio = g("kv_cache_usage_ratio", "Share of device KV blocks in use (0..1).")
+        self.kv_cache_blocks_total = g("kv_cache_blocks_total", "Device KV blocks in the pool.")
+        self.admission_shedding = g("admission_shedding", "1 while load shedding rejects the lowest classes.")
+        self.shed_classes = g("admission_shed_classes", "Number of priority classes currently shed.")
+        self.engine_ready = g("engine_ready", "1 when the model is loaded and the engine loop runs.")
+        self.model_load_seconds = g("model_load_seconds", "Seconds the model took to load at startup.")
+
+        lat = ("priority_class", "tenant")
+        h = lambda name, doc, buckets, labels=lat: Histogram(  # noqa: E731
+            PREFIX + name, doc, labels, buckets=buckets, registry=r
+        )
+        self.queue_time = h("queue_time_seconds", "Admission into a step minus arrival.", LATENCY_BUCKETS)
+        self.ttft = h("time_to_first_token_seconds", "First output token minus arrival.", LATENCY_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Gap between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "Finish minus arrival.", LATENCY_BUCKETS)
+        self.step_duration = h("step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS, labels=())
+
+        c = lambda name, doc, labels: Counter(PREFIX + name, doc, labels, registry=r)  # noqa: E731
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens of requests that reached their first token.", lat)
+        self.generation_tokens = c("generation_tokens", "Output tokens generated.", lat)
+        self.preemptions = c("preemptions", "Preempted sequences.", ("mode", "reason"))
+        self.rejections = c("rejections", "Requests rejected at or after admission.", ("reason", "priority_class"))
+        self.requests_finished = c("requests_finished", "Requests that ended, by status.", ("status", "priority_class", "tenant"))
+
+    def tenant_label(self, tenant: str) -> str:
+        return tenant if tenant in self._tenants else "other"
+
+    def labels(self, priority_class: str, tenant: str) -> tuple[str, str]:
+        return priority_class, self.tenant_label(tenant)
+
+    # -- per step ---------------------------------------------------------------------------
+    def observe_step(self, stats: StepStatsLike) -> None:
+        self.step_duration.observe(stats.duration_s)
+        self.set_gauges(stats)
+        for _, mode, reason in stats.preempted:
+            self.preemptions.labels(mode, reason).inc()
+
+    def set_gauges(self, stats: StepStatsLike) -> None:
+        self.requests_running.set(stats.running)
+        self.requests_waiting.set(stats.waiting)
+        self.requests_swapped.set(stats.swapped)
+        self.kv_cache_blocks_total.set(stats.kv_total_blocks)
+        self.kv_cache_usage_ratio.set(stats.kv_used_blocks / stats.kv_total_blocks if stats.kv_total_blocks else 0.0)
+
+    def observe_tokens(self, priority_class: str, tenant: str, n: int) -> None:
+        if n:
+            self.generation_tokens.labels(*self.labels(priority_class, tenant)).inc(n)
+
+    # -- per request ------------------------------------------------------------------------
+    def observe_rejection(self, reason: str, priority_class: str) -> None:
+        # Reasons may carry detail after ':' ("too_long:5000>4096"); the label keeps the bounded kind.
+        self.rejections.labels(reason.split(":", 1)[0], priority_class).inc()
+
+    def observe_request(self, rec: RequestRecord) -> None:
+        """Called once when a request reaches a terminal state."""
+        labels = self.labels(rec.priority_class, rec.tenant)
+        self.requests_finished.labels(rec.status, *labels).inc()
+        if rec.admitted is not None:
+            self.queue_time.labels(*labels).observe(max(0.0, rec.admitted - rec.arrival))
+        if rec.first_token is not None:
+            self.ttft.labels(*labels).observe(max(0.0, rec.first_token - rec.arrival))
+            self.prompt_tokens.labels(*labels).inc(rec.prompt_tokens)
+        itl = self.itl.labels(*labels)
+        for a, b in zip(rec.token_times, rec.token_times[1:]):
+            itl.observe(max(0.0, b - a))
+        if rec.finished is not None and rec.status == "finished":
+            self.e2e.labels(*labels).observe(max(0.0, rec.finished - rec.arrival))
+
+    # -- state ------------------------------------------------------------------------------
+    def set_shedding(self, shed_classes: Iterable[str]) -> None:
+        n = len(list(shed_classes))
+        self.admission_shedding.set(1 if n else 0)
+        self.shed_classes.set(n)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
