@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from magnitude.engine.request import RequestStatus
 from magnitude.engine.sampling import SamplingParams
 
 
@@ -81,3 +82,17 @@ class RunnerOutput:
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     duration_s: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request, as `Scheduler.update_from_output` reports it.
+
+    `new_token_ids` excludes stop/EOS tokens that ended the request. `status` is the request's
+    status after the step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    status: RequestStatus
+    finish_reason: str | None = None

@@ -1,0 +1,133 @@
+"""Load the engine config document (YAML or JSON) and apply `--set dotted.camelCase=value` overrides.
+
+The same document is the engine's `--config`, the simulator's `--config` and the operator's
+ConfigMap. Errors are `ConfigError`s whose message names the file and the key, so the CLI can
+print them and exit 2. Reading the file is the only I/O here; `apply_overrides` is pure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from magnitude.policy.schema import EngineConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(document)"
+        lines.append(f"{source}: {key}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    """YAML scalars: 16 -> int, 0.5 -> float, true/null, [a, b] -> list; anything else a string."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def _alias_of(model: type[BaseModel], part: str) -> str | None:
+    for name, f in model.model_fields.items():
+        alias = f.alias or name
+        if part in (alias, name):
+            return alias
+    return None
+
+
+def _nested_model(model: type[BaseModel], alias: str) -> tuple[type[BaseModel] | None, bool]:
+    """The pydantic model under a field (and whether the field is a list of them)."""
+    for name, f in model.model_fields.items():
+        if (f.alias or name) != alias:
+            continue
+        ann = f.annotation
+        origin = getattr(ann, "__origin__", None)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            return ann, False
+        if origin is list:
+            (inner,) = ann.__args__  # type: ignore[union-attr]
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner, True
+        return None, False
+    return None, False
+
+
+def apply_override(doc: dict, assignment: str) -> dict:
+    """Apply one `dotted.camelCase.path=value` to a config document (in place, returned)."""
+    key, sep, raw = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. scheduler.tokenBudget=16")
+    parts = key.split(".")
+    model: type[BaseModel] | None = EngineConfig
+    node: Any = doc
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {key}: {part!r} is not an index of the list (length {len(node)})")
+            idx = int(part)
+            if last:
+                node[idx] = _parse_value(raw)
+            else:
+                node = node[idx]
+            continue
+        if model is None:
+            raise ConfigError(f"--set {key}: unknown key {'.'.join(parts[: i + 1])!r}")
+        alias = _alias_of(model, part)
+        if alias is None:
+            known = ", ".join(sorted((f.alias or n) for n, f in model.model_fields.items()))
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"--set {key}: unknown key {part!r} under {where} (known: {known})")
+        if last:
+            node[alias] = _parse_value(raw)
+            break
+        nested, is_list = _nested_model(model, alias)
+        if nested is None:
+            raise ConfigError(f"--set {key}: {alias!r} is a value, not a section")
+        node = node.setdefault(alias, [] if is_list else {})
+        model = nested
+    return doc
+
+
+def load_document(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from e
+    try:
+        doc = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from e
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: the config must be a mapping (scheduler, kvCache, admission, ...)")
+    return doc
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> EngineConfig:
+    """The resolved EngineConfig: defaults, then the file, then each `--set` in order."""
+    source = str(path) if path else "config"
+    doc = load_document(path) if path else {}
+    try:
+        base = EngineConfig.model_validate(doc).to_document()
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, source)) from e
+    for assignment in overrides:
+        apply_override(base, assignment)
+    try:
+        return EngineConfig.model_validate(base)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, "--set" if overrides else source)) from e
