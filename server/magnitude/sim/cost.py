@@ -1,0 +1,151 @@
+"""Cost models: how long one step (a `StepPlan`) takes, in seconds (or steps under `unit`).
+
+- `unit`: every step lasts 1.0 (times in the report are then step counts);
+- `linear`: 0.020 + 0.000035 × prefill tokens + 0.0005 × decode sequences + 0.000013 × swapped
+  tokens, constants overridable from a JSON file `{"kind": "linear", "base": ..., ...}`;
+- a table from `magnitude profile`: `{"kind": "table", "decode_batch_sizes": [...],
+  "prefill_tokens": [...], "seconds": [[...], ...]}` (rows: decode batch sizes, columns: prefill
+  tokens), interpolated bilinearly and extrapolated linearly from the edges.
+
+The simulator and the server's simulated runner both call `step_seconds(plan)`. Pure.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Protocol
+
+from magnitude.engine.output import StepPlan
+
+
+class CostModelError(ValueError):
+    """A cost model spec or file that cannot be used."""
+
+
+def plan_shape(plan: StepPlan, block_size: int) -> tuple[int, int, int]:
+    """(decode sequences, prefill tokens, swapped tokens) of a step. A decode is a one-token
+    chunk that samples; its lookahead draft positions count as prefill-like tokens."""
+    decodes = prefill = 0
+    for s in plan.seqs:
+        n = len(s.token_ids)
+        if s.sample and n == 1:
+            decodes += 1
+            prefill += s.num_lookahead
+        else:
+            prefill += n + s.num_lookahead
+    return decodes, prefill, (len(plan.swap_in) + len(plan.swap_out)) * block_size
+
+
+class CostModel(Protocol):
+    name: str
+
+    def step_seconds(self, plan: StepPlan) -> float: ...
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    name: str = "unit"
+
+    def step_seconds(self, plan: StepPlan) -> float:
+        return 1.0
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    base: float = 0.020
+    per_prefill_token: float = 0.000035
+    per_decode_seq: float = 0.0005
+    per_swap_token: float = 0.000013
+    block_size: int = 16
+    name: str = "linear"
+
+    def step_seconds(self, plan: StepPlan) -> float:
+        d, p, w = plan_shape(plan, self.block_size)
+        return self.base + self.per_prefill_token * p + self.per_decode_seq * d + self.per_swap_token * w
+
+
+def _interp(xs: list[float], x: float) -> tuple[int, float]:
+    """Index i and weight w so the value at x is (1-w)·v[i] + w·v[i+1] (w outside [0,1] extrapolates)."""
+    if len(xs) == 1:
+        return 0, 0.0
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    return i, (x - xs[i]) / (xs[i + 1] - xs[i])
+
+
+@dataclass(frozen=True)
+class TableCost:
+    decode_batch_sizes: tuple[float, ...]
+    prefill_tokens: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]
+    per_swap_token: float = 0.000013
+    block_size: int = 16
+    name: str = "table"
+
+    def __post_init__(self) -> None:
+        rows, cols = len(self.decode_batch_sizes), len(self.prefill_tokens)
+        if rows < 1 or cols < 1 or len(self.seconds) != rows or any(len(r) != cols for r in self.seconds):
+            raise CostModelError(f"table: seconds must be {rows} rows of {cols} values")
+        for axis in (self.decode_batch_sizes, self.prefill_tokens):
+            if list(axis) != sorted(set(axis)):
+                raise CostModelError("table: axes must be strictly increasing")
+
+    def _at(self, d: float, p: float) -> float:
+        i, wi = _interp(list(self.decode_batch_sizes), d)
+        j, wj = _interp(list(self.prefill_tokens), p)
+        s = self.seconds
+
+        def row(r: int) -> float:
+            return s[r][j] if len(s[r]) == 1 else (1 - wj) * s[r][j] + wj * s[r][j + 1]
+
+        v = row(i) if len(s) == 1 else (1 - wi) * row(i) + wi * row(i + 1)
+        return max(v, 1e-6)
+
+    def step_seconds(self, plan: StepPlan) -> float:
+        d, p, w = plan_shape(plan, self.block_size)
+        return self._at(d, p) + self.per_swap_token * w
+
+
+def load_cost_model(spec: str, block_size: int = 16) -> CostModel:
+    """`unit`, `linear`, or a JSON file (linear constants or a profile table)."""
+    if spec == "unit":
+        return UnitCost()
+    if spec == "linear":
+        return LinearCost(block_size=block_size)
+    path = Path(spec)
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise CostModelError(f"--cost-model {spec}: not 'unit', 'linear' or a readable JSON file ({e.strerror})") from e
+    except json.JSONDecodeError as e:
+        raise CostModelError(f"{spec}: not valid JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise CostModelError(f"{spec}: expected a JSON object")
+    kind = doc.pop("kind", "table" if "seconds" in doc else "linear")
+    doc.pop("meta", None)
+    cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
+    if cls is None:
+        raise CostModelError(f"{spec}: kind: unknown cost model kind {kind!r} (linear, table)")
+    known = {f.name for f in fields(cls)} - {"name"}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise CostModelError(f"{spec}: unknown key(s) {unknown} for a {kind} cost model (known: {sorted(known)})")
+    doc.setdefault("block_size", block_size)
+    try:
+        if cls is TableCost:
+            doc["decode_batch_sizes"] = tuple(float(x) for x in doc["decode_batch_sizes"])
+            doc["prefill_tokens"] = tuple(float(x) for x in doc["prefill_tokens"])
+            doc["seconds"] = tuple(tuple(float(x) for x in r) for r in doc["seconds"])
+        else:
+            for k, v in doc.items():
+                if k != "block_size" and not isinstance(v, (int, float)):
+                    raise CostModelError(f"{spec}: {k}: expected a number, got {v!r}")
+        return cls(**doc)
+    except KeyError as e:
+        raise CostModelError(f"{spec}: missing key {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CostModelError):
+            raise
+        raise CostModelError(f"{spec}: {e}") from e

@@ -1,0 +1,161 @@
+"""Replay a trace through the real `Scheduler` on a virtual clock; only the runner is replaced,
+by a cost model. No second copy of the policy lives here.
+
+Time rule (DESIGN §3): a step that starts at `t` and lasts `d` emits its tokens at `t + d`; the
+next step starts then, or at the next arrival when idle. Arrivals and cancellations are heap
+events; a step's end is one too, ordered before arrivals at the same instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from magnitude.engine.events import SchedulerEvent
+from magnitude.engine.output import RunnerOutput, SampledToken, StepPlan
+from magnitude.engine.request import Request
+from magnitude.engine.sampling import SamplingParams
+from magnitude.engine.scheduler import Scheduler
+from magnitude.policy.schema import EngineConfig
+from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
+from magnitude.sim.cost import CostModel
+from magnitude.sim.trace import TraceError, TraceRecord
+
+DEFAULT_SIM_BLOCKS = 2048  # when kvCache.numBlocks is null (the engine sizes it from memory)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    t: float
+    duration: float
+    decode: list[str]
+    prefill: list[tuple[str, int]]
+    preempted: list[tuple[str, str, str]]
+    kv_used_blocks: int
+    kv_total_blocks: int
+    waiting: int
+    running: int
+    swapped: int
+
+
+@dataclass
+class SimResult:
+    config: EngineConfig
+    cost_model: str
+    requests: list[tuple[TraceRecord, Request]]
+    steps: list[StepRecord] = field(default_factory=list)
+    events: list[SchedulerEvent] = field(default_factory=list)
+    end_time: float = 0.0
+
+
+class CostModelRunner:
+    """A runner stand-in: the step's duration from a cost model and deterministic token ids.
+    The server's `--runner simulated` wraps this and sleeps `duration_s`."""
+
+    def __init__(self, cost_model: CostModel):
+        self.cost_model = cost_model
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        sampled = {
+            s.request_id: [SampledToken(1000 + (s.num_output_tokens % 1000))] for s in plan.seqs if s.sample
+        }
+        return RunnerOutput(sampled=sampled, duration_s=self.cost_model.step_seconds(plan))
+
+
+def resolve_sim_config(config: EngineConfig) -> EngineConfig:
+    """The simulator needs a concrete cache size: fill kvCache.numBlocks when it is null."""
+    if config.kv_cache.num_blocks is not None:
+        return config
+    doc = config.to_document()
+    doc["kvCache"]["numBlocks"] = DEFAULT_SIM_BLOCKS
+    return EngineConfig.model_validate(doc)
+
+
+def to_request(rec: TraceRecord, config: EngineConfig) -> Request:
+    return Request(
+        request_id=rec.id,
+        prompt_token_ids=None,
+        num_prompt_tokens=rec.prompt_tokens,
+        sampling=SamplingParams(max_tokens=rec.output_tokens, ignore_eos=True),
+        arrival_time=rec.arrival,
+        priority_class=rec.priority_class or config.scheduler.default_priority_class,
+        tenant=rec.tenant or "default",
+        deadline=rec.deadline,
+    )
+
+
+def check_trace(records: list[TraceRecord], config: EngineConfig, source: str = "trace") -> None:
+    """Refuse what the config cannot interpret (unknown priority class), naming the line."""
+    known = {c.name for c in config.scheduler.priority_classes}
+    for lineno, rec in enumerate(records, 1):
+        if rec.priority_class is not None and rec.priority_class not in known:
+            raise TraceError(
+                f"{source}:{lineno}: priority_class: unknown priority class {rec.priority_class!r} "
+                f"(configured: {', '.join(sorted(known))})"
+            )
+
+
+def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostModel, keep_events: bool = True) -> SimResult:
+    config = resolve_sim_config(config)
+    check_trace(records, config)
+    sched = Scheduler(config)
+    runner = CostModelRunner(cost_model)
+    heap = EventHeap()
+    pairs = [(rec, to_request(rec, config)) for rec in records]
+    result = SimResult(config, cost_model.name, pairs)
+    for rec, req in pairs:
+        heap.push(rec.arrival, ARRIVAL, req)
+        if rec.cancel_at is not None:
+            heap.push(max(rec.cancel_at, rec.arrival), CANCEL, req.request_id)
+
+    in_flight: tuple[StepPlan, RunnerOutput, float] | None = None
+    now = 0.0
+    while heap:
+        now, kind, payload = heap.pop()
+        if kind == STEP_END:
+            plan, output, start = payload
+            sched.update_from_output(plan, output, now)
+            result.steps.append(_record(plan, start, now - start, sched))
+            in_flight = None
+        elif kind == CANCEL:
+            sched.abort(payload, now)
+        else:
+            sched.add_request(payload, now)
+        if keep_events:
+            result.events.extend(sched.drain_events())
+        else:
+            sched.events.clear()
+        if in_flight is not None or (heap.next_time() == now) or not sched.has_work():
+            continue  # a step is running, more happens at this instant, or nothing to do
+        plan = sched.schedule(now)
+        if plan.is_empty:
+            if not heap:
+                raise RuntimeError(f"scheduler stalled at t={now} with work left: {sched.stats()}")
+            continue
+        output = runner.execute(plan)
+        in_flight = (plan, output, now)
+        heap.push(now + output.duration_s, STEP_END, in_flight)
+    if keep_events:
+        result.events.extend(sched.drain_events())
+    result.end_time = now
+    return result
+
+
+def _record(plan: StepPlan, start: float, duration: float, sched: Scheduler) -> StepRecord:
+    decode, prefill = [], []
+    for s in plan.seqs:
+        if s.sample and len(s.token_ids) == 1:
+            decode.append(s.request_id)
+        else:
+            prefill.append((s.request_id, len(s.token_ids)))
+    return StepRecord(
+        t=start,
+        duration=duration,
+        decode=decode,
+        prefill=prefill,
+        preempted=list(plan.preempted),
+        kv_used_blocks=sched.kv.num_used,
+        kv_total_blocks=sched.kv.num_blocks,
+        waiting=sched.queue.num_requests,
+        running=len(sched.running),
+        swapped=len(sched.swapped),
+    )
