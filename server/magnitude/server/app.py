@@ -121,7 +121,10 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
 
     @app.post("/admin/shedding", dependencies=[Depends(require_admin)])
     async def post_shedding(body: SheddingRequest) -> dict[str, Any]:
-        shed = engine.set_shedding(body.enabled, body.levels)
+        try:
+            shed = engine.set_shedding(body.enabled, body.levels, body.classes)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="classes") from exc
         log.warning("load shedding %s: %s", "on" if shed else "off", shed)
         return {"enabled": bool(shed), "shed_classes": shed, "order": engine.shed_order()}
 

@@ -264,14 +264,23 @@ class AsyncEngine:
 
     # -- shedding -----------------------------------------------------------------------------------
     def shed_order(self) -> list[str]:
-        """Classes, least important first (highest shedOrder, defaulting to priority)."""
+        """Classes, least important first (highest shedOrder, defaulting to priority; then name)."""
         classes = self.config.scheduler.priority_classes
-        return [c.name for c in sorted(classes, key=lambda c: -(c.shed_order if c.shed_order is not None else c.priority))]
+        key = lambda c: (-(c.shed_order if c.shed_order is not None else c.priority), c.name)  # noqa: E731
+        return [c.name for c in sorted(classes, key=key)]
 
-    def set_shedding(self, enabled: bool, levels: int = 1) -> list[str]:
-        """Shed the `levels` least important classes (never the most important one); returns them."""
+    def set_shedding(self, enabled: bool, levels: int = 1, classes: list[str] | None = None) -> list[str]:
+        """Shed `classes`, or the `levels` least important classes (never the most important one).
+
+        Raises ValueError naming an unknown class."""
         order = self.shed_order()
-        shed = order[: min(levels, len(order) - 1)] if enabled else []
+        if classes is not None:
+            unknown = [c for c in classes if c not in order]
+            if unknown:
+                raise ValueError(f"unknown priority classes {unknown}; known: {order}")
+            shed = [c for c in order if c in classes]
+        else:
+            shed = order[: min(levels, len(order) - 1)] if enabled else []
         self.shed_classes = set(shed)
         if self.loop is not None:
             with self.loop.lock:
@@ -303,7 +312,8 @@ class AsyncEngine:
         )
         stream = RequestStream(request_id, self)
         tokenizer = self.runner.tokenizer
-        out = OutputState(tokenizer, IncrementalDetokenizer(tokenizer), spec.sampling.stop, spec.sampling.logprobs is not None)
+        detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=spec.prompt_token_ids)
+        out = OutputState(tokenizer, detok, spec.sampling.stop, spec.sampling.logprobs is not None)
         tracked = _Tracked(request=request, spec=spec, stream=stream, out=out)
         with self.loop.lock:
             self._tracked[request_id] = tracked

@@ -147,12 +147,14 @@ class CompletionRequest(_SamplingRequest):
 
 
 class SheddingRequest(BaseModel):
-    """Admin: turn load shedding on (shedding the `levels` least important classes) or off."""
+    """Admin: shed exactly `classes` (the operator's choice; [] turns shedding off), or, without
+    `classes`, turn shedding on for the `levels` least important classes (`enabled`) or off."""
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool
+    enabled: bool = True
     levels: int = Field(default=1, ge=1, le=16, description="How many of the least important classes to shed.")
+    classes: list[str] | None = Field(default=None, max_length=16)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

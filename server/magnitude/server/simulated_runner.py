@@ -68,12 +68,11 @@ class ByteTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def cost_function(spec: str = "linear") -> Callable[[StepPlan], float]:
-    """Step time in seconds for a plan, from the simulator's cost models (`linear`, `unit`, FILE.json)."""
-    from magnitude.sim.cost_model import load_cost_model
+def cost_function(spec: str = "linear", block_size: int = 16) -> Callable[[StepPlan], float]:
+    """Step time in seconds for a plan, from the simulator's cost models (`unit`, `linear`, FILE.json)."""
+    from magnitude.sim.cost import load_cost_model
 
-    model = load_cost_model(spec)
-    return model.step_time
+    return load_cost_model(spec, block_size).step_seconds
 
 
 class SimulatedRunner:

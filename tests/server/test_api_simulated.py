@@ -1,0 +1,183 @@
+"""The HTTP API against the simulated runner: real uvicorn, real openai client, real scheduler."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from magnitude.server.app import ServerSettings
+from magnitude.server.simulated_runner import SIM_TEXT, ByteTokenizer
+
+from .conftest import RunningServer, serve, sim_config, simulated
+
+
+def client(s: RunningServer, **kw: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.v1, api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)  # type: ignore[arg-type]
+
+
+def chat_prompt_tokens(content: str) -> int:
+    tok = ByteTokenizer()
+    return len(tok.apply_chat_template([{"role": "user", "content": content}], tokenize=True))
+
+
+def test_models_lists_the_served_model(sim_server: RunningServer) -> None:
+    models = client(sim_server).models.list()
+    assert [m.id for m in models.data] == ["simulated"]
+
+
+def test_chat_non_streaming_text_usage_and_timing(sim_server: RunningServer) -> None:
+    r = client(sim_server).chat.completions.create(
+        model="simulated", messages=[{"role": "user", "content": "hello"}], max_tokens=12
+    )
+    assert r.choices[0].message.content == SIM_TEXT[:12].decode()
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == chat_prompt_tokens("hello")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    timing = r.model_extra["timing"]  # type: ignore[index]
+    assert timing["ttft_ms"] >= timing["queue_time_ms"] >= 0
+    assert timing["e2e_ms"] >= timing["ttft_ms"]
+    assert timing["mean_itl_ms"] > 0
+
+
+def test_chat_streaming_with_usage_matches_non_streaming(sim_server: RunningServer) -> None:
+    c = client(sim_server)
+    stream = c.chat.completions.create(
+        model="simulated",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=9,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == SIM_TEXT[:9].decode()
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9
+    assert not chunks[-1].choices
+
+
+def test_completions_stream_and_not_and_stop_string(sim_server: RunningServer) -> None:
+    c = client(sim_server)
+    r = c.completions.create(model="simulated", prompt="hi", max_tokens=30, stop=["brown"])
+    assert r.choices[0].text == " The quick "
+    assert r.choices[0].finish_reason == "stop"
+    parts = [ch.choices[0].text for ch in c.completions.create(model="simulated", prompt="hi", max_tokens=30, stop=["brown"], stream=True) if ch.choices]
+    assert "".join(parts) == " The quick "
+
+
+def test_token_id_prompt_and_logprobs(sim_server: RunningServer) -> None:
+    r = client(sim_server).completions.create(model="simulated", prompt=[104, 105], max_tokens=4, logprobs=2)
+    assert r.usage is not None and r.usage.prompt_tokens == 2
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and "".join(lp.tokens) == r.choices[0].text
+    chat = client(sim_server).chat.completions.create(
+        model="simulated", messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True, top_logprobs=1
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3 and all(len(t.top_logprobs) == 1 for t in content)
+
+
+def test_progress_chunks_in_order_for_a_long_prompt() -> None:
+    config = sim_config(scheduler__prefill_chunk_size=64, scheduler__token_budget=128)
+    with serve(simulated(config), config) as s:
+        body = {
+            "model": "simulated",
+            "messages": [{"role": "user", "content": "x" * 1000}],
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_progress": True, "include_usage": True},
+        }
+        events = []
+        with httpx.stream("POST", s.v1 + "/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+    phases = [e["progress"]["phase"] for e in events if "progress" in e]
+    assert phases[0] == "queued" and phases[-1] == "generating"
+    prefill = [e["progress"] for e in events if e.get("progress", {}).get("phase") == "prefill"]
+    total = chat_prompt_tokens("x" * 1000)
+    assert len(prefill) == -(-total // 64)  # one chunk per step
+    assert [p["done"] for p in prefill] == sorted(p["done"] for p in prefill)
+    assert prefill[-1] == {"phase": "prefill", "done": total, "total": total}
+    first_content = next(i for i, e in enumerate(events) if e["choices"] and e["choices"][0].get("delta", {}).get("content"))
+    last_progress = max(i for i, e in enumerate(events) if "progress" in e)
+    assert last_progress < first_content
+    assert events[-1]["usage"]["prompt_tokens"] == total
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/chat/completions", {"model": "simulated", "messages": []}, 400, "messages"),
+        ("/chat/completions", {"model": "simulated"}, 400, "messages"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, 400, "max_tokens"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "max_tokens": 9000}, 400, "max_tokens"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "top_k": -1}, 400, "top_k"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, 400, "max_tokens"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "priority_class": "vip"}, 400, "priority_class"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, 400, None),
+        ("/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x" * 9000}]}, 400, "messages"),
+        ("/completions", {"model": "simulated", "prompt": ""}, 400, "prompt"),
+        ("/completions", {"model": "simulated", "prompt": [999999]}, 400, "prompt"),
+        ("/completions", {"model": "simulated", "prompt": "x", "stop": [""]}, 400, "stop"),
+        ("/completions", {"model": "simulated", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
+        ("/completions", {"model": "simulated", "prompt": "x", "deadline_ms": -1}, 400, "deadline_ms"),
+        ("/nothing", {}, 404, None),
+    ],
+)
+def test_bad_input_is_named(sim_server: RunningServer, path: str, body: dict, status: int, param: str | None) -> None:
+    r = httpx.post(sim_server.v1 + path, json=body, timeout=10)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_malformed_json_and_wrong_content(sim_server: RunningServer) -> None:
+    r = httpx.post(sim_server.v1 + "/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
+    r = httpx.post(sim_server.v1 + "/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_api_key_guards_v1_only() -> None:
+    config = sim_config()
+    with serve(simulated(config), config, ServerSettings(api_key="s3cret")) as s:
+        with pytest.raises(openai.AuthenticationError):
+            client(s, api_key="wrong").models.list()
+        r = httpx.get(s.v1 + "/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert client(s, api_key="s3cret").models.list().data
+        assert httpx.get(s.url + "/healthz").status_code == 200
+        assert httpx.get(s.url + "/readyz").status_code == 200
+
+
+def test_tenant_and_priority_class_reach_metrics() -> None:
+    config = sim_config()
+    config.tenant_labels = ["acme"]
+    with serve(simulated(config), config) as s:
+        c = client(s)
+        c.chat.completions.create(
+            model="simulated", messages=[{"role": "user", "content": "a"}], max_tokens=2, user="acme",
+            extra_body={"priority_class": "batch"},
+        )
+        c.chat.completions.create(
+            model="simulated", messages=[{"role": "user", "content": "a"}], max_tokens=2,
+            extra_headers={"X-Tenant": "someone-else"},
+        )
+        assert s.metric("magnitude_requests_finished_total", status="finished", priority_class="batch", tenant="acme") == 1
+        assert s.metric("magnitude_requests_finished_total", status="finished", priority_class="standard", tenant="other") == 1
+        assert s.metric("magnitude_generation_tokens_total") == 4

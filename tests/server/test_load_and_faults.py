@@ -1,0 +1,207 @@
+"""Behaviour under load and faults, on the simulated runner: disconnects, overload, shedding,
+deadlines, failing requests and a dying engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from magnitude.engine.output import RunnerOutput, StepPlan
+from magnitude.server.app import ServerSettings
+from magnitude.server.simulated_runner import SimulatedRunner
+
+from .conftest import RunningServer, serve, sim_config, simulated
+
+
+def slow_cost(plan: Any) -> float:
+    return 0.02
+
+
+def wait_for(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def chat(content: str = "hi", max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {"model": "simulated", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+
+
+def idle(s: RunningServer) -> bool:
+    return (
+        s.metric("magnitude_requests_running") == 0
+        and s.metric("magnitude_requests_waiting") == 0
+        and s.metric("magnitude_kv_cache_usage_ratio") == 0
+    )
+
+
+def test_disconnect_mid_stream_frees_everything() -> None:
+    config = sim_config()
+    with serve(simulated(config, slow_cost), config) as s:
+        with httpx.stream("POST", s.v1 + "/chat/completions", json=chat(max_tokens=2000, stream=True), timeout=30) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(8)]
+            assert any("content" in line for line in got)
+            assert s.metric("magnitude_requests_running") == 1
+            assert s.metric("magnitude_kv_cache_usage_ratio") > 0
+        wait_for(lambda: idle(s))
+        wait_for(lambda: s.metric("magnitude_requests_finished_total", status="cancelled") == 1)
+        assert s.engine.num_tracked == 0
+
+
+def test_disconnect_non_streaming_cancels() -> None:
+    config = sim_config()
+    with serve(simulated(config, slow_cost), config) as s:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.v1 + "/chat/completions", json=chat(max_tokens=2000), timeout=0.5)
+        wait_for(lambda: s.metric("magnitude_requests_finished_total", status="cancelled") == 1)
+        wait_for(lambda: idle(s))
+
+
+def test_overload_answers_only_200_and_429_with_retry_after() -> None:
+    config = sim_config(admission__max_queued_requests=6, scheduler__max_sequences=4)
+    with serve(simulated(config, slow_cost), config) as s:
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as c:
+                return await asyncio.gather(
+                    *(c.post(s.v1 + "/chat/completions", json=chat(f"req {i}", max_tokens=8, ignore_eos=True)) for i in range(60))
+                )
+
+        responses = asyncio.run(burst())
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429}, codes
+        ok = [r for r in responses if r.status_code == 200]
+        rejected = [r for r in responses if r.status_code == 429]
+        assert len(ok) >= 4 and rejected
+        for r in rejected:
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        for r in ok:
+            assert r.json()["usage"]["completion_tokens"] == 8
+        assert s.metric("magnitude_rejections_total") == len(rejected)
+        assert s.metric("magnitude_requests_finished_total", status="finished") == len(ok)
+        wait_for(lambda: idle(s))
+
+
+def test_admin_shedding_rejects_the_least_important_class() -> None:
+    config = sim_config()
+    with serve(simulated(config), config, ServerSettings(admin_token="adm")) as s:
+        assert httpx.post(s.url + "/admin/shedding", json={"enabled": True}).status_code == 401
+        r = httpx.post(s.url + "/admin/shedding", json={"enabled": True}, headers={"Authorization": "Bearer adm"})
+        assert r.status_code == 200 and r.json()["shed_classes"] == ["batch"]
+        assert s.metric("magnitude_admission_shedding") == 1
+        r = httpx.post(s.v1 + "/chat/completions", json=chat(priority_class="batch"))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "shedding" and "Retry-After" in r.headers
+        assert httpx.post(s.v1 + "/chat/completions", json=chat(priority_class="interactive")).status_code == 200
+        r = httpx.post(s.url + "/admin/shedding", json={"classes": ["batch", "standard"]}, headers={"Authorization": "Bearer adm"})
+        assert r.json()["shed_classes"] == ["batch", "standard"]
+        r = httpx.post(s.url + "/admin/shedding", json={"classes": ["gold"]}, headers={"Authorization": "Bearer adm"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "classes"
+        httpx.post(s.url + "/admin/shedding", json={"enabled": False}, headers={"Authorization": "Bearer adm"})
+        assert s.metric("magnitude_admission_shedding") == 0
+        assert httpx.post(s.v1 + "/chat/completions", json=chat(priority_class="batch")).status_code == 200
+
+
+def test_admin_disabled_without_token(sim_server: RunningServer) -> None:
+    r = httpx.post(sim_server.url + "/admin/shedding", json={"enabled": True})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+
+
+def test_deadline_ends_request_with_clear_error() -> None:
+    config = sim_config()
+    with serve(simulated(config, slow_cost), config) as s:
+        r = httpx.post(s.v1 + "/chat/completions", json=chat(max_tokens=500, deadline_ms=200), timeout=30)
+        assert r.status_code in (429, 504), r.text
+        assert "deadline" in r.json()["error"]["message"] or "deadline" in r.json()["error"]["code"]
+        wait_for(lambda: idle(s))
+
+
+class FailingRunner(SimulatedRunner):
+    """Fault injection at the runner boundary: fails requests whose prompt contains the bytes FAIL."""
+
+    MARK = list(b"FAIL")
+    crash_steps = False
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        if self.crash_steps:
+            raise RuntimeError("device lost")
+        out = super().execute(plan)
+        for seq in plan.seqs:
+            ids = seq.token_ids
+            if any(ids[i : i + 4] == self.MARK for i in range(len(ids) - 3)):
+                out.failed[seq.request_id] = "injected fault"
+                out.sampled.pop(seq.request_id, None)
+        return out
+
+
+def test_one_failing_request_fails_alone() -> None:
+    config = sim_config()
+    with serve(simulated(config, runner_cls=FailingRunner), config) as s:
+
+        async def both() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as c:
+                return await asyncio.gather(
+                    c.post(s.v1 + "/chat/completions", json=chat("please FAIL", max_tokens=20)),
+                    c.post(s.v1 + "/chat/completions", json=chat("fine", max_tokens=20)),
+                )
+
+        bad, good = asyncio.run(both())
+        assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"]
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 20
+        assert httpx.get(s.url + "/readyz").status_code == 200
+        wait_for(lambda: idle(s))
+
+
+def test_engine_loop_failure_fails_readiness() -> None:
+    config = sim_config()
+    with serve(simulated(config, runner_cls=FailingRunner), config) as s:
+        FailingRunner.crash_steps = True
+        try:
+            # A step that raises fails its requests; a runner that keeps raising kills the loop.
+            for _ in range(3):
+                r = httpx.post(s.v1 + "/chat/completions", json=chat(max_tokens=50), timeout=30)
+                assert r.status_code in (500, 503), r.text
+            wait_for(lambda: httpx.get(s.url + "/readyz").status_code == 503)
+            body = httpx.get(s.url + "/readyz").json()
+            assert body["phase"] == "dead" and "device lost" in body["message"]
+            assert httpx.post(s.v1 + "/chat/completions", json=chat()).status_code == 503
+            assert httpx.get(s.url + "/healthz").status_code == 200
+        finally:
+            FailingRunner.crash_steps = False
+
+
+def test_not_ready_while_loading_then_progress_stream() -> None:
+    config = sim_config()
+    gate = threading.Event()
+
+    def slow_load(progress: Any) -> SimulatedRunner:
+        progress("loading_weights", 0.5)
+        gate.wait(10)
+        return SimulatedRunner(config, lambda plan: 0.001)
+
+    with serve(slow_load, config, wait_ready=False) as s:
+        r = httpx.get(s.url + "/readyz")
+        assert r.status_code == 503 and r.json()["phase"] == "loading_weights"
+        r = httpx.post(s.v1 + "/chat/completions", json=chat())
+        assert r.status_code == 503 and "Retry-After" in r.headers
+        events: list[str] = []
+        with httpx.stream(
+            "POST", s.v1 + "/chat/completions", json=chat(stream=True, stream_options={"include_progress": True}), timeout=30
+        ) as resp:
+            for line in resp.iter_lines():
+                events.append(line)
+                if '"loading"' in line:
+                    gate.set()
+        assert any('"phase":"loading"' in e for e in events)
+        assert any('"phase":"queued"' in e for e in events)
+        assert [e for e in events if e][-1] == "data: [DONE]"
+        assert httpx.get(s.url + "/readyz").status_code == 200
