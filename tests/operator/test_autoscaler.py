@@ -80,12 +80,14 @@ def test_scale_down_waits_for_the_window_then_follows_the_highest_recommendation
     d = a.decide(spec, 4, pods(4, kv=1.0), mem, now=0.0)  # busy: recommends 4 (max)
     assert d.replicas == 4
     mem = d.memory
-    for t in (30.0, 150.0, 299.0):  # idle, but the window still holds the busy recommendation
+    for t in (30.0, 150.0, 329.0):  # idle since t=30, but the window still holds the busy recommendation
         d = a.decide(spec, 4, pods(4, kv=0.05), mem, now=t)
         assert (d.replicas, d.reason) == (4, a.STABILIZING), (t, d.message)
         mem = d.memory
-    d = a.decide(spec, 4, pods(4, kv=0.05), mem, now=301.0)
+    assert len(mem.recommendations) == 2  # only change points are remembered
+    d = a.decide(spec, 4, pods(4, kv=0.05), mem, now=331.0)
     assert (d.replicas, d.reason) == (1, a.SCALED_DOWN)
+    assert d.memory.recommendations == ((30.0, 1),)  # the busy point left the window
 
 
 def test_scale_down_prefers_least_loaded_pods() -> None:

@@ -81,7 +81,7 @@ class Load:
 class Memory:
     """What the policy carries from one tick to the next (persisted in status)."""
 
-    recommendations: tuple[tuple[float, int], ...] = ()
+    recommendations: tuple[tuple[float, int], ...] = ()  # change points: (time, replicas)
     shed_classes: tuple[str, ...] = ()
     shed_changed_at: float | None = None
     overloaded_since: float | None = None
@@ -198,11 +198,13 @@ def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load
     else:
         raw = math.ceil(load.fresh_pods * ratio - 1e-9) if load.available else lo
     recommendation = max(lo, min(hi, raw))
+    recs = memory.recommendations
+    if not recs or recs[-1][1] != recommendation:
+        recs = recs + ((now, recommendation),)
     window = max(a.scale_up_stabilization_seconds, a.scale_down_stabilization_seconds)
-    recs = tuple((t, r) for t, r in memory.recommendations if now - t <= window)[-(MAX_RECOMMENDATIONS - 1):]
-    recs = recs + ((now, recommendation),)
-    up = min(r for t, r in recs if now - t <= a.scale_up_stabilization_seconds)
-    down = max(r for t, r in recs if now - t <= a.scale_down_stabilization_seconds)
+    recs = _in_window(recs, now, window)[-MAX_RECOMMENDATIONS:]
+    up = min(r for _, r in _in_window(recs, now, a.scale_up_stabilization_seconds))
+    down = max(r for _, r in _in_window(recs, now, a.scale_down_stabilization_seconds))
     new = current
     if new < up:
         new = up
@@ -228,6 +230,18 @@ def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load
     if raw < lo and current == lo:
         return current, AT_MIN, f"at minReplicas {lo}: {detail}", memory
     return current, STABLE, f"holding {current}: {detail}", memory
+
+
+def _in_window(recs: tuple[tuple[float, int], ...], now: float, window: float) -> tuple[tuple[float, int], ...]:
+    """Recommendations in effect during [now - window, now]. Memory keeps only change points (a value
+    holds until the next entry), so the entry in effect at the window's start counts too; steady
+    load then writes nothing new to status."""
+    start = now - window
+    first = 0
+    for i, (t, _) in enumerate(recs):
+        if t <= start:
+            first = i
+    return recs[first:]
 
 
 def _clamp_hold(current: int, lo: int, hi: int, reason: str, message: str, memory: Memory) -> tuple[int, str, str, Memory]:

@@ -22,6 +22,8 @@ from magnitude.operator.spec import API_VERSION, KIND, ModelServiceSpec, ModelSe
 # Endpoints take a moment to drop a terminating pod; keep serving through that gap before SIGTERM.
 PRESTOP_SLEEP_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
+# Quantizations `magnitude serve` expresses as a dtype flag; the rest travel as MAGNITUDE_QUANTIZATION.
+DTYPE_ARGS: dict[str, list[str]] = {"bf16": ["--dtype", "bfloat16"]}
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,6 @@ def _env(spec: ModelServiceSpec, owner: Owner, version: str) -> list[dict[str, A
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "MAGNITUDE_SERVICE_VERSION", "value": version},
         {"name": "MAGNITUDE_QUANTIZATION", "value": spec.quantization},
-        {"name": "MAGNITUDE_DRAIN_SECONDS", "value": str(spec.drain_seconds)},
         {
             "name": n.ADMIN_TOKEN_ENV,
             "valueFrom": {"secretKeyRef": {"name": n.admin_secret_name(owner.name), "key": n.ADMIN_TOKEN_KEY}},
@@ -139,6 +140,8 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
         "--config", f"{n.CONFIG_DIR}/{n.CONFIG_FILE}",
         "--host", "0.0.0.0",
         "--port", str(n.ENGINE_PORT),
+        "--shutdown-grace", str(spec.drain_seconds),
+        *DTYPE_ARGS.get(spec.quantization, []),
         *spec.extra_args,
     ]
     container = {

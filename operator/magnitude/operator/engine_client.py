@@ -1,0 +1,29 @@
+"""Tells engine pods which priority classes to shed: `POST /admin/shedding` with the shared token.
+
+Body `{"enabled": bool, "classes": [...]}` (docs/operator.md). An engine that predates the
+`classes` field answers 422; it is then sent the equivalent `{"enabled", "levels"}` (the count of
+least-important classes), which names the same classes when both sides use the same shed order.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+TIMEOUT_SECONDS = 3.0
+
+
+async def set_shedding(client: httpx.AsyncClient, base_url: str, token: str, classes: tuple[str, ...]) -> bool:
+    """True when the engine accepted the new shedding state."""
+    headers = {"Authorization": f"Bearer {token}"}
+    body: dict[str, object] = {"enabled": bool(classes), "classes": list(classes)}
+    try:
+        resp = await client.post(f"{base_url}/admin/shedding", json=body, headers=headers, timeout=TIMEOUT_SECONDS)
+        if resp.status_code == 422:
+            legacy: dict[str, object] = {"enabled": bool(classes)}
+            if classes:
+                legacy["levels"] = len(classes)
+            resp = await client.post(f"{base_url}/admin/shedding", json=legacy, headers=headers,
+                                     timeout=TIMEOUT_SECONDS)
+        return resp.status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,137 @@
+"""One reconcile of one ModelService: build -> observe -> plan -> execute -> status -> events.
+
+Called by the Kopf change handlers (no autoscaler decision: the replica count comes from spec or
+from status) and by the scale loop every tick (with a decision). Level-based and idempotent:
+an unchanged spec plans no writes and an unchanged status is not written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import ValidationError
+
+from magnitude.operator import autoscaler as a
+from magnitude.operator import naming as n
+from magnitude.operator import status as st
+from magnitude.operator.apply import ApiError, Kube, new_admin_token
+from magnitude.operator.desired import Owner, build_admin_secret, build_all, desired_replicas
+from magnitude.operator.plan import Apply, Plan, plan
+from magnitude.operator.servicever import service_version
+from magnitude.operator.spec import ModelServiceSpec, ModelServiceStatus
+from magnitude.operator.validation import Problem, unsupported
+
+NORMAL, WARNING = "Normal", "Warning"
+SHED_EVENTS = {a.SHED_STARTED: WARNING, a.SHED_ESCALATED: WARNING, a.SHED_REDUCED: NORMAL, a.SHED_STOPPED: NORMAL}
+SCALING_EVENTS = {a.AT_MAX: WARNING, a.METRICS_UNAVAILABLE: WARNING, a.PODS_PENDING: NORMAL}
+
+
+class SpecInvalid(Exception):
+    """The spec does not parse; retrying cannot help until someone edits it."""
+
+
+@dataclass(frozen=True)
+class Result:
+    status: ModelServiceStatus
+    plan: Plan
+    events: list[tuple[str, str, str]]  # (type, reason, message)
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_spec(body: dict[str, Any]) -> ModelServiceSpec:
+    try:
+        return ModelServiceSpec.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        parts = [f"spec.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise SpecInvalid("; ".join(parts)) from e
+
+
+def parse_status(body: dict[str, Any]) -> ModelServiceStatus | None:
+    raw = body.get("status")
+    if not raw:
+        return None
+    try:
+        return ModelServiceStatus.model_validate({k: v for k, v in raw.items() if k in _STATUS_KEYS})
+    except ValidationError:
+        return None  # written by an older operator: rebuilt from scratch
+
+
+_STATUS_KEYS = {f.alias or name for name, f in ModelServiceStatus.model_fields.items()}
+
+
+def _events(prev: ModelServiceStatus | None, new: ModelServiceStatus, the_plan: Plan,
+            decision: a.Decision | None) -> list[tuple[str, str, str]]:
+    out: list[tuple[str, str, str]] = []
+    if any(isinstance(x, Apply) and x.reason == "create" and x.obj["kind"] == "Deployment" for x in the_plan.actions):
+        out.append((NORMAL, "Created", f"created serving workload at serviceVersion {new.service_version}"))
+    if the_plan.rollout and the_plan.rollout[0]:
+        old, cur = the_plan.rollout
+        out.append((NORMAL, "RolloutStarted", f"serviceVersion {old} -> {cur}: rolling the Deployment"))
+    if the_plan.replicas:
+        old_r, new_r = the_plan.replicas
+        why = decision.message if decision is not None and decision.reason in (a.SCALED_UP, a.SCALED_DOWN) \
+            else f"replicas {old_r} -> {new_r} (spec.replicas)"
+        out.append((NORMAL, a.SCALED_UP if new_r > old_r else a.SCALED_DOWN, why))
+    if decision is not None and decision.shed_reason in SHED_EVENTS:
+        out.append((SHED_EVENTS[decision.shed_reason], decision.shed_reason, decision.shed_message))
+    for c in st.transitions(prev, new):
+        if c.type == st.DEGRADED and c.status == "True":
+            out.append((WARNING, c.reason, c.message))
+        elif c.type == st.SCALING and c.reason in SCALING_EVENTS:
+            out.append((SCALING_EVENTS[c.reason], c.reason, c.message))
+        elif c.type == st.PROGRESSING and c.reason == "RolloutComplete" and prev is not None:
+            out.append((NORMAL, "RolloutComplete", c.message))
+        elif c.type == st.READY and prev is not None:
+            out.append((NORMAL if c.status == "True" else WARNING, c.reason, c.message))
+    return out
+
+
+def _finish(kube: Kube, body: dict[str, Any], prev: ModelServiceStatus | None, new: ModelServiceStatus,
+            the_plan: Plan, decision: a.Decision | None) -> Result:
+    events = _events(prev, new, the_plan, decision)
+    meta = body["metadata"]
+    if st.changed(prev, new):
+        kube.patch_status(meta["namespace"], meta["name"], new.to_document())
+    for type_, reason, message in events:
+        kube.post_event(body, type_, reason, message)
+    return Result(new, the_plan, events)
+
+
+def reconcile(kube: Kube, body: dict[str, Any], decision: a.Decision | None = None) -> Result:
+    """Bring the children in line with the spec (and `decision`, when the scale loop has one)."""
+    owner = Owner.from_body(body)
+    generation = body["metadata"].get("generation")
+    prev = parse_status(body)
+    try:
+        spec = parse_spec(body)
+    except SpecInvalid as e:
+        obs = st.Observed(deployment=None, desired_replicas=0, service_version="",
+                          selector=n.selector_string(owner.name), problems=(Problem("spec", str(e)),))
+        _finish(kube, body, prev, st.build(prev, generation, obs, None, now_iso()), Plan(), None)
+        raise
+    replicas = decision.replicas if decision is not None else desired_replicas(spec, prev)
+    problems = tuple(unsupported(spec))
+    desired = build_all(owner, spec, replicas, service_monitor=kube.has_service_monitors())
+    secret = build_admin_secret(owner, new_admin_token())
+    observed = kube.observe(desired + [secret])
+    the_plan, apply_error, written = Plan(), None, {}
+    if not problems:  # refused specs leave what runs untouched
+        the_plan = plan(desired, observed, secret)
+        if decision is not None and decision.deletion_costs and the_plan.replicas:
+            kube.set_deletion_costs(owner.namespace, decision.deletion_costs)  # before the ReplicaSet picks victims
+        try:
+            written = kube.execute(the_plan)
+        except ApiError as e:
+            if e.temporary:
+                raise
+            apply_error = str(e)
+    deployment = written.get(("Deployment", n.deployment_name(owner.name))) or observed.get(
+        ("Deployment", n.deployment_name(owner.name)))
+    obs = st.Observed(deployment=deployment, desired_replicas=replicas, service_version=service_version(spec),
+                      selector=n.selector_string(owner.name), problems=problems, apply_error=apply_error)
+    return _finish(kube, body, prev, st.build(prev, generation, obs, decision, now_iso()), the_plan, decision)
