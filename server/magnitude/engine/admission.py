@@ -66,12 +66,12 @@ def check_admission(request: Request, view: QueueView, policy: AdmissionPolicy, 
         if now + own > request.deadline:
             return AdmissionDecision(False, "deadline_unreachable")
 
-    half_full = view.queued_requests * 2 >= policy.max_queued_requests
-    if half_full and view.tenant_requests + 1 > policy.max_tenant_queue_share * policy.max_queued_requests:
-        return AdmissionDecision(False, "tenant_queue_share", _retry_after(view.tenant_tokens, view))
     if view.queued_requests + 1 > policy.max_queued_requests:
         avg = view.queued_tokens / max(1, view.queued_requests)
         return AdmissionDecision(False, "queue_full", _retry_after(avg, view))
+    half_full = view.queued_requests * 2 >= policy.max_queued_requests
+    if half_full and view.tenant_requests + 1 > policy.max_tenant_queue_share * policy.max_queued_requests:
+        return AdmissionDecision(False, "tenant_queue_share", _retry_after(view.tenant_tokens, view))
     half_tokens = view.queued_tokens * 2 >= policy.max_queued_tokens
     if half_tokens and view.tenant_tokens + work > policy.max_tenant_queue_share * policy.max_queued_tokens:
         return AdmissionDecision(False, "tenant_queue_share", _retry_after(view.tenant_tokens, view))

@@ -71,12 +71,14 @@ def apply_override(doc: dict, assignment: str) -> dict:
     parts = key.split(".")
     model: type[BaseModel] | None = EngineConfig
     node: Any = doc
+    resolved: list[str | int] = []
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
                 raise ConfigError(f"--set {key}: {part!r} is not an index of the list (length {len(node)})")
             idx = int(part)
+            resolved.append(idx)
             if last:
                 node[idx] = _parse_value(raw)
             else:
@@ -95,9 +97,21 @@ def apply_override(doc: dict, assignment: str) -> dict:
         nested, is_list = _nested_model(model, alias)
         if nested is None:
             raise ConfigError(f"--set {key}: {alias!r} is a value, not a section")
-        node = node.setdefault(alias, [] if is_list else {})
+        if alias not in node:
+            # A list is edited by index: start from its default so `priorityClasses.0.priority` works.
+            default = _default_document([*resolved, alias]) if is_list else {}
+            node[alias] = default
+        node = node[alias]
+        resolved.append(alias)
         model = nested
     return doc
+
+
+def _default_document(path: list[str | int]) -> Any:
+    node: Any = EngineConfig().to_document()
+    for part in path:
+        node = node[part]
+    return node
 
 
 def load_document(path: str | Path) -> dict:
@@ -122,12 +136,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     source = str(path) if path else "config"
     doc = load_document(path) if path else {}
     try:
-        base = EngineConfig.model_validate(doc).to_document()
+        EngineConfig.model_validate(doc)
     except ValidationError as e:
         raise ConfigError(_format_validation(e, source)) from e
+    # Overrides edit the document as written (defaults stay unset, so they stay defaults).
     for assignment in overrides:
-        apply_override(base, assignment)
+        apply_override(doc, assignment)
     try:
-        return EngineConfig.model_validate(base)
+        return EngineConfig.model_validate(doc)
     except ValidationError as e:
         raise ConfigError(_format_validation(e, "--set" if overrides else source)) from e

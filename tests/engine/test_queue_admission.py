@@ -1,0 +1,131 @@
+"""Queue ordering (priority, aging in the key, tenant fairness within a level) and admission bounds."""
+
+from __future__ import annotations
+
+import pytest
+from sched_helpers import fake_output, make_request, make_scheduler
+
+from magnitude.engine.admission import QueueView, check_admission
+from magnitude.engine.queue import RequestQueue
+from magnitude.policy.schema import AdmissionPolicy
+
+
+def queued(q: RequestQueue, rid: str, priority: int, arrival: float, tenant: str = "t"):
+    r = make_request(rid, 4, 1, arrival=arrival, tenant=tenant)
+    r.priority = priority
+    q.push(r)
+    return r
+
+
+def drain(q: RequestQueue, now: float, order=None) -> list[str]:
+    out = []
+    while (r := q.peek(now, tenant_order=order)) is not None:
+        q.pop(r)
+        out.append(r.request_id)
+    return out
+
+
+def test_priority_then_arrival_without_aging() -> None:
+    q = RequestQueue(aging_seconds=None)
+    queued(q, "batch-old", 2, 0.0)
+    queued(q, "std", 1, 5.0)
+    queued(q, "int", 0, 9.0)
+    assert drain(q, now=100.0) == ["int", "std", "batch-old"]
+
+
+def test_aging_moves_an_old_request_up_a_level() -> None:
+    q = RequestQueue(aging_seconds=10.0)
+    queued(q, "batch-old", 2, 0.0)  # key 20
+    queued(q, "std-new", 1, 15.0)  # key 25
+    queued(q, "int-new", 0, 21.0)  # key 21
+    assert drain(q, now=30.0) == ["batch-old", "int-new", "std-new"]
+
+
+def test_fairness_among_tenants_at_the_same_level() -> None:
+    q = RequestQueue(aging_seconds=10.0, fairness=True)
+    for i in range(4):
+        queued(q, f"heavy-{i}", 1, 0.1 * i, tenant="heavy")
+    queued(q, "quiet-0", 1, 0.35, tenant="quiet")
+    running = {"heavy": 3, "quiet": 0}
+    # The quiet tenant holds nothing: it goes first although it arrived last (same level).
+    assert q.peek(1.0, tenant_order=lambda t: (running[t], 0)).request_id == "quiet-0"
+    # Without fairness, plain key order.
+    q2 = RequestQueue(aging_seconds=10.0, fairness=False)
+    for i in range(2):
+        queued(q2, f"heavy-{i}", 1, 0.1 * i, tenant="heavy")
+    queued(q2, "quiet-0", 1, 0.35, tenant="quiet")
+    assert q2.peek(1.0, tenant_order=lambda t: (running[t], 0)).request_id == "heavy-0"
+
+
+def test_fairness_does_not_cross_levels() -> None:
+    q = RequestQueue(aging_seconds=10.0)
+    queued(q, "heavy-int", 0, 0.0, tenant="heavy")
+    queued(q, "quiet-batch", 2, 0.0, tenant="quiet")
+    assert q.peek(1.0, tenant_order=lambda t: (0 if t == "quiet" else 9, 0)).request_id == "heavy-int"
+
+
+def test_removed_requests_leave_the_counts_at_once() -> None:
+    q = RequestQueue(aging_seconds=None)
+    a = queued(q, "a", 1, 0.0)
+    queued(q, "b", 1, 1.0)
+    q.remove(a)
+    a.status = a.status.CANCELLED
+    assert len(q) == 1 and q.num_tokens == 4 and drain(q, 0.0) == ["b"]
+
+
+def view(**kw) -> QueueView:
+    base = dict(queued_requests=0, queued_tokens=0, tenant_requests=0, tenant_tokens=0,
+                known_classes=frozenset({"standard"}), shedding=frozenset(), kv_capacity_tokens=10_000,
+                max_model_len=None, drain_tokens_per_s=None, min_request_seconds=None)
+    base.update(kw)
+    return QueueView(**base)
+
+
+@pytest.mark.parametrize(
+    ("kw", "policy", "reason", "retry"),
+    [
+        ({"known_classes": frozenset({"gold"})}, {}, "unknown_priority_class:standard", False),
+        ({"shedding": frozenset({"standard"})}, {}, "shedding", True),
+        ({"max_model_len": 50}, {}, "too_long:104>50", False),
+        ({"kv_capacity_tokens": 64}, {}, "exceeds_kv_capacity:103>64", False),
+        ({"queued_requests": 4}, {"maxQueuedRequests": 4}, "queue_full", True),
+        ({"queued_requests": 3, "tenant_requests": 2}, {"maxQueuedRequests": 4}, "tenant_queue_share", True),
+        ({"queued_tokens": 950}, {"maxQueuedTokens": 1000}, "queue_tokens_full", True),
+        ({"queued_tokens": 400, "drain_tokens_per_s": 10.0}, {"maxQueueWaitSeconds": 30}, "estimated_wait", True),
+    ],
+)
+def test_admission_rejects_with_reason(kw, policy, reason, retry) -> None:
+    r = make_request("r", 4, 100)
+    r.priority_class = "standard"
+    d = check_admission(r, view(**kw), AdmissionPolicy.model_validate(policy), now=0.0)
+    assert (d.accepted, d.reason) == (False, reason)
+    assert (d.retry_after_s is not None) == retry
+    if retry:
+        assert d.retry_after_s >= 1.0
+
+
+def test_quiet_tenant_is_admitted_while_heavy_tenant_is_capped() -> None:
+    policy = AdmissionPolicy.model_validate({"maxQueuedRequests": 10, "maxTenantQueueShare": 0.5})
+    r = make_request("r", 4, 4)
+    r.priority_class = "standard"
+    heavy = check_admission(r, view(queued_requests=6, tenant_requests=5), policy, 0.0)
+    quiet = check_admission(r, view(queued_requests=6, tenant_requests=1), policy, 0.0)
+    assert heavy.reason == "tenant_queue_share" and quiet.accepted
+
+
+def test_retry_after_follows_the_measured_drain_rate() -> None:
+    s = make_scheduler("admission.maxQueuedRequests=2", "admission.maxTenantQueueShare=1", "scheduler.tokenBudget=8",
+                       "kvCache.numBlocks=64",
+                       "kvCache.blockSize=4")
+    t = 0.0
+    for i in range(2):
+        s.add_request(make_request(f"r{i}", 40, 40), t)
+    for _ in range(3):  # observe a few saturated steps lasting 0.5 s
+        plan = s.schedule(t)
+        t += 0.5
+        s.update_from_output(plan, fake_output(plan), t)
+    s.add_request(make_request("fill", 40, 40), t)
+    d = s.add_request(make_request("late", 40, 40), t)
+    assert d.reason == "queue_full"
+    assert d.retry_after_s is not None and d.retry_after_s >= 1.0
+    assert s.stats().drain_tokens_per_s == pytest.approx(16.0)
