@@ -114,7 +114,9 @@ class SchedulerPolicy(PolicyModel):
             raise ValueError(
                 f"defaultPriorityClass: {self.default_priority_class!r} is not one of the priorityClasses {names}"
             )
-        if self.prefill_chunk_size is not None and self.prefill_chunk_size > self.token_budget:
+        # Only an explicit chunk size conflicts: the default (512) simply caps at a smaller budget.
+        chunk_set = "prefill_chunk_size" in self.model_fields_set
+        if chunk_set and self.prefill_chunk_size is not None and self.prefill_chunk_size > self.token_budget:
             raise ValueError(
                 f"prefillChunkSize: {self.prefill_chunk_size} exceeds tokenBudget {self.token_budget}"
             )
