@@ -1,44 +1,68 @@
-"""Incremental detokenization: token ids in, text deltas out, never splitting a multi-byte character.
+"""Streaming text out of token ids: incremental detokenization that never splits a character.
 
-Tokenizer-only (no torch). Follows the prefix/read-offset scheme vLLM and TGI use: decode a short
-window of recent tokens with and without the newest ones and emit the difference, holding text
-back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD). Decoding a window rather
-than single tokens keeps tokenizers that merge spaces across tokens (SentencePiece) correct.
+`IncrementalDetokenizer.push(token_id)` returns only the new text, and never a partial character:
+while the decoded tail ends in U+FFFD (a multi-byte UTF-8 character split across byte-level BPE
+tokens) it returns "" and waits for the rest. Only a small window of tokens is re-decoded per push
+(the prefix/read offsets of vLLM's detokenizer), so the cost per token does not grow with length.
+A few prompt tokens can seed the window so the first word's leading space decodes as in context.
+Stop strings are cut by the server's output processor (`magnitude.server.output_processor.StopMatcher`).
+Tokenizer-only: no torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+_CONTEXT_TOKENS = 5  # tokens of left context kept so word boundaries (leading spaces) decode right
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
-        self._prefix_offset = 0  # start of the context window decoded for comparison
-        self._read_offset = 0  # tokens before this have been emitted
+    """Turns a stream of token ids into a stream of text deltas."""
+
+    def __init__(
+        self, tokenizer: _Decoder, skip_special_tokens: bool = True, prompt_token_ids: list[int] | None = None
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        context = list(prompt_token_ids or [])[-_CONTEXT_TOKENS:]
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._num_context = len(context)
+        self.text = ""  # everything emitted so far
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated tokens pushed so far (without the prompt context)."""
+        return self._ids[self._num_context :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token_id: int) -> str:
-        """Add one token; return the newly completed text (possibly empty)."""
-        self.token_ids.append(token_id)
-        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self.token_ids[self._prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
-            delta = new_text[len(prefix_text) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self.token_ids)
-            return delta
-        return ""
+        self._ids.append(int(token_id))
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if new_text.endswith(REPLACEMENT_CHAR) or len(new_text) <= len(prefix_text):
+            return ""  # an incomplete character (or nothing visible yet): wait for more bytes
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
 
     def flush(self) -> str:
-        """At the end of the stream: whatever is still held back (an incomplete character stays U+FFFD)."""
-        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self.token_ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self.token_ids)
-        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        """At the end of a stream: whatever is still pending (a truly invalid byte sequence shows as U+FFFD)."""
+        if self._read_offset >= len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta

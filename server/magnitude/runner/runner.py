@@ -1,0 +1,243 @@
+"""ModelRunner: executes a scheduler StepPlan on the real model in one forward pass.
+
+Per step: swap copies (plan.swap_out, then plan.swap_in), per-request validation (a bad request
+fails alone), then every scheduled token of every sequence — prefill chunks and decodes — goes
+through transformers' own model class as one flattened row with per-sequence positions; the
+registered paged attention reads/writes our KV pool by the plan's block tables. The LM head runs
+only on the rows that sample. Recompute needs nothing here: the scheduler simply re-prefills.
+
+Speculative decoding hook: a `DraftProposer` (none by default) fills a decode's `num_lookahead`
+slots with draft tokens; the step computes them together and greedy verification keeps the
+matching prefix plus one model token (random sampling keeps only the first token for now).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from magnitude.engine.output import RunnerOutput, SampledToken, ScheduledSeq, StepPlan
+from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
+from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
+from magnitude.runner.loading import DEFAULT_SOURCE, load_model
+from magnitude.runner.sampling import Sampler, accept_drafts
+
+
+class DraftProposer(Protocol):
+    """Proposes up to `k` draft tokens to follow `seq`'s last token (e.g. n-gram or a draft model)."""
+
+    def propose(self, seq: ScheduledSeq, k: int) -> list[int]: ...
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """What the last execute() did and where its time went (for stats and `magnitude profile`)."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_decode: int = 0
+    num_prefill_tokens: int = 0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    swap_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Work:
+    seq: ScheduledSeq
+    drafts: list[int] = field(default_factory=list)
+    offset: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.token_ids + self.drafts
+
+
+class ModelRunner:
+    """The only object that touches torch for serving: model, paged KV pool, sampler."""
+
+    def __init__(
+        self,
+        source: str = DEFAULT_SOURCE,
+        device: str | None = None,
+        dtype: str | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        num_swap_blocks: int = 0,
+        progress: Callable[[str, float], None] | None = None,
+        draft_proposer: DraftProposer | None = None,
+        warmup: bool = True,
+        seed: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        report = progress or (lambda phase, fraction: None)
+        loaded = load_model(source, device, dtype, attn_implementation=ATTN_IMPLEMENTATION, progress=report)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.load_time_s = loaded.load_time_s
+        self.cache_hit = loaded.cache_hit
+        self.model_name = loaded.source.name
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_model_len = int(cfg.max_position_embeddings)
+        self.eos_token_ids = self._eos_ids()
+        self.block_size = block_size
+        shape = KVShape(
+            num_layers=int(cfg.num_hidden_layers),
+            num_kv_heads=int(cfg.num_key_value_heads),
+            head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+            block_size=block_size,
+            dtype=self.dtype,
+        )
+        if num_blocks is None:
+            weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            num_blocks = default_num_blocks(shape, self.device, weight_bytes)
+        self.kv = PagedKVPool(shape, num_blocks, num_swap_blocks, self.device)
+        self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
+        self.sampler = Sampler(self.device, seed)
+        self.draft_proposer = draft_proposer
+        self.last_step = StepTiming()
+        if warmup:
+            self._warmup(report)
+
+    def _eos_ids(self) -> list[int]:
+        ids: list[int] = []
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        for v in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) + [self.tokenizer.eos_token_id]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+        return ids
+
+    def _warmup(self, report: Callable[[str, float], None]) -> None:
+        """Run a prefill and a decode through block 0 so first-request latency excludes lazy init.
+        The garbage K/V left in block 0 is harmless: a sequence writes each slot before reading it."""
+        from magnitude.engine.sampling import SamplingParams
+
+        report("warming_up", 0.0)
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        n = min(8, self.block_size * self.num_blocks - 1)
+        self.execute(StepPlan(-1, [ScheduledSeq("warmup", [1] * n, 0, [0], True, greedy)]))
+        self.execute(StepPlan(-2, [ScheduledSeq("warmup", [1], n, [0], True, greedy)]))
+        report("warming_up", 1.0)
+
+    # -- validation -------------------------------------------------------------------------------
+
+    def _validate(self, s: ScheduledSeq) -> str | None:
+        if not s.token_ids:
+            return "no tokens scheduled"
+        if s.start_position < 0:
+            return f"negative start_position {s.start_position}"
+        end = s.start_position + len(s.token_ids) + s.num_lookahead
+        if end > self.max_model_len:
+            return f"sequence length {end} exceeds the model's maximum {self.max_model_len}"
+        if min(s.token_ids) < 0 or max(s.token_ids) >= self.vocab_size:
+            return f"token id out of range 0..{self.vocab_size - 1}"
+        if len(s.block_table) * self.block_size < end:
+            return f"block table of {len(s.block_table)} blocks cannot hold {end} positions"
+        if s.block_table and (min(s.block_table) < 0 or max(s.block_table) >= self.num_blocks):
+            return f"block id out of range 0..{self.num_blocks - 1}"
+        return None
+
+    def _drafts(self, s: ScheduledSeq) -> list[int]:
+        if not (s.sample and s.num_lookahead > 0 and self.draft_proposer is not None):
+            return []
+        drafts: list[int] = []
+        for t in list(self.draft_proposer.propose(s, s.num_lookahead))[: s.num_lookahead]:
+            if not 0 <= t < self.vocab_size:
+                break  # a bad draft ends the proposal; later ones would sit at wrong positions
+            drafts.append(int(t))
+        return drafts
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        t0 = time.perf_counter()
+        out = RunnerOutput()
+        self.kv.swap_out(plan.swap_out)
+        self.kv.swap_in(plan.swap_in)
+        t_swap = time.perf_counter()
+
+        work: list[_Work] = []
+        offset = 0
+        for s in plan.seqs:
+            err = self._validate(s)
+            if err is not None:
+                out.failed[s.request_id] = err
+                continue
+            w = _Work(s, self._drafts(s), offset)
+            offset += len(w.tokens)
+            work.append(w)
+        timing = StepTiming(num_seqs=len(work), num_tokens=offset, swap_s=t_swap - t0)
+        if work:
+            self._run(work, out, timing)
+        timing.total_s = out.duration_s = time.perf_counter() - t0
+        self.last_step = timing
+        return out
+
+    def _run(self, work: list[_Work], out: RunnerOutput, timing: StepTiming) -> None:
+        t0 = time.perf_counter()
+        ids = np.fromiter((t for w in work for t in w.tokens), dtype=np.int64, count=timing.num_tokens)
+        pos = np.concatenate([np.arange(w.seq.start_position, w.seq.start_position + len(w.tokens)) for w in work])
+        slices = [SeqSlice(w.offset, len(w.tokens), w.seq.start_position, w.seq.block_table) for w in work]
+        batch = build_paged_batch(slices, self.block_size, self.kv.k_layers, self.kv.v_layers, self.device)
+        input_ids = torch.from_numpy(ids).to(self.device)[None]
+        position_ids = torch.from_numpy(pos).to(self.device)[None]
+        timing.num_decode = sum(1 for w in work if len(w.seq.token_ids) == 1)
+        timing.num_prefill_tokens = sum(len(w.seq.token_ids) for w in work if len(w.seq.token_ids) > 1)
+        t1 = time.perf_counter()
+
+        hidden = self.model.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, magnitude_batch=batch
+        ).last_hidden_state[0]
+        # Rows that produce a token: the last real token, plus one per draft for verification.
+        samplers = [w for w in work if w.seq.sample]
+        rows: list[int] = []
+        for w in samplers:
+            last = w.offset + len(w.seq.token_ids) - 1
+            rows.extend(range(last, last + len(w.drafts) + 1))
+        logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+
+        if logits is not None:
+            self._sample(samplers, logits, out)
+        t3 = time.perf_counter()
+        timing.prepare_s, timing.forward_s, timing.sample_s = t1 - t0, t2 - t1, t3 - t2
+
+    def _sample(self, samplers: list[_Work], logits: torch.Tensor, out: RunnerOutput) -> None:
+        first_rows, r = [], 0
+        for w in samplers:
+            first_rows.append(r)
+            r += len(w.drafts) + 1
+        params = [w.seq.sampling for w in samplers]
+        steps = [w.seq.num_output_tokens for w in samplers]
+        first = self.sampler.sample(logits[first_rows], params, steps)
+        for i, w in enumerate(samplers):
+            if not w.drafts or not w.seq.sampling.greedy:
+                out.sampled[w.seq.request_id] = [first[i]]
+                continue
+            block = logits[first_rows[i] : first_rows[i] + len(w.drafts) + 1]
+            targets = torch.argmax(block, dim=-1).tolist()
+            kept = accept_drafts(targets, w.drafts)
+            tokens = Sampler.attach_logprobs(block[: len(kept)], [w.seq.sampling] * len(kept), kept)
+            out.sampled[w.seq.request_id] = tokens
+
+    # -- conveniences -----------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        return self.kv.shape.bytes_per_block
+
+
+__all__ = ["ModelRunner", "DraftProposer", "StepTiming", "SampledToken"]
