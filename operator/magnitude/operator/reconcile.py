@@ -21,7 +21,7 @@ from magnitude.operator.desired import Owner, build_admin_secret, build_all, des
 from magnitude.operator.plan import Apply, Plan, plan
 from magnitude.operator.servicever import service_version
 from magnitude.operator.spec import ModelServiceSpec, ModelServiceStatus
-from magnitude.operator.validation import Problem, unsupported
+from magnitude.operator.validation import unsupported
 
 NORMAL, WARNING = "Normal", "Warning"
 SHED_EVENTS = {a.SHED_STARTED: WARNING, a.SHED_ESCALATED: WARNING, a.SHED_REDUCED: NORMAL, a.SHED_STOPPED: NORMAL}
@@ -110,8 +110,10 @@ def reconcile(kube: Kube, body: dict[str, Any], decision: a.Decision | None = No
     try:
         spec = parse_spec(body)
     except SpecInvalid as e:
-        obs = st.Observed(deployment=None, desired_replicas=0, service_version="",
-                          selector=n.selector_string(owner.name), problems=(Problem("spec", str(e)),))
+        running = kube.get("apps/v1", "Deployment", owner.namespace, n.deployment_name(owner.name))
+        obs = st.Observed(deployment=running, desired_replicas=((running or {}).get("spec") or {}).get("replicas", 0),
+                          service_version=prev.service_version if prev else "",
+                          selector=n.selector_string(owner.name), invalid_spec=str(e))
         _finish(kube, body, prev, st.build(prev, generation, obs, None, now_iso()), Plan(), None)
         raise
     replicas = decision.replicas if decision is not None else desired_replicas(spec, prev)

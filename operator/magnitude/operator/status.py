@@ -30,6 +30,7 @@ class Observed:
     selector: str
     problems: tuple[Problem, ...] = ()
     apply_error: str | None = None
+    invalid_spec: str | None = None  # the spec did not parse
 
 
 def _set(conds: dict[str, Condition], type_: str, status: str, reason: str, message: str, generation: int | None,
@@ -88,7 +89,7 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
     pods, ready, updated, done, failure = _deployment_numbers(obs.deployment)
 
     if obs.deployment is None:
-        why = "spec refused, nothing deployed" if obs.problems else "Deployment not created yet"
+        why = "spec refused, nothing deployed" if obs.problems or obs.invalid_spec else "Deployment not created yet"
         _set(conds, READY, "False", "NotDeployed", why, generation, now)
     elif obs.desired_replicas == 0:
         _set(conds, READY, "False", "ScaledToZero", "replicas is 0", generation, now)
@@ -108,7 +109,9 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
     else:
         _set(conds, PROGRESSING, "False", "NotDeployed", "nothing to roll out", generation, now)
 
-    if obs.problems:
+    if obs.invalid_spec:
+        _set(conds, DEGRADED, "True", "InvalidSpec", obs.invalid_spec, generation, now)
+    elif obs.problems:
         _set(conds, DEGRADED, "True", "UnsupportedSpec", "; ".join(str(p) for p in obs.problems), generation, now)
     elif obs.apply_error:
         _set(conds, DEGRADED, "True", "ApplyFailed", obs.apply_error, generation, now)

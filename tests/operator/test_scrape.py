@@ -1,0 +1,92 @@
+"""Scraping: the operator parses what the engine's own metrics adapter exposes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from magnitude.operator import scrape
+from magnitude.operator.autoscaler import aggregate
+from magnitude.server.metrics import EngineMetrics, RequestRecord
+
+
+def engine_text(metrics: EngineMetrics) -> str:
+    return metrics.exposition()[0].decode()
+
+
+def engine(running: int, waiting: int, used: int, total: int = 100) -> EngineMetrics:
+    m = EngineMetrics(registry=CollectorRegistry(), tenant_labels=["t1"])
+    m.set_gauges(SimpleNamespace(duration_s=0.01, running=running, waiting=waiting, swapped=0, kv_used_blocks=used,
+                                 kv_total_blocks=total, preempted=[]))
+    return m
+
+
+def queue(m: EngineMetrics, seconds: float, cls: str = "standard", tenant: str = "t1") -> None:
+    m.observe_request(RequestRecord(priority_class=cls, tenant=tenant, status="finished", arrival=0.0,
+                                    admitted=seconds, first_token=seconds + 0.1, finished=seconds + 0.2))
+
+
+def test_parse_reads_the_engine_series_summed_over_labels() -> None:
+    m = engine(running=3, waiting=5, used=40)
+    queue(m, 0.3, "interactive")
+    queue(m, 4.0, "batch", tenant="someone-else")
+    parsed = scrape.parse(engine_text(m))
+    assert parsed.kv_usage == pytest.approx(0.4)
+    assert (parsed.running, parsed.waiting) == (3, 5)
+    assert parsed.queue_cumulative[math.inf] == 2
+    assert parsed.queue_cumulative[0.5] == 1 and parsed.queue_cumulative[5.0] == 2
+    assert parsed.shed_classes == 0
+    m.set_shedding(["batch"])
+    assert scrape.parse(engine_text(m)).shed_classes == 1
+
+
+def test_bucket_delta_is_per_interval_and_survives_restarts() -> None:
+    prev = {0.5: 1.0, 5.0: 2.0, math.inf: 2.0}
+    cur = {0.5: 1.0, 5.0: 5.0, math.inf: 6.0}
+    assert scrape.bucket_delta(prev, cur) == ((0.5, 0.0), (5.0, 3.0), (math.inf, 1.0))
+    assert scrape.bucket_delta(None, cur) == ()  # first sight: no interval yet
+    assert scrape.bucket_delta(cur, prev) == ()  # counter reset (engine restarted)
+
+
+def test_scraper_reports_only_new_queue_observations_and_staleness() -> None:
+    asyncio.run(_scraper_scenario())
+
+
+async def _scraper_scenario() -> None:
+    engines = {"10.0.0.1": engine(running=2, waiting=0, used=10), "10.0.0.2": engine(running=4, waiting=6, used=90)}
+    down: set[str] = set()
+
+    def handler(request: httpx.Request) -> httpx.Response:  # the pod network, served by real engine metrics
+        host = request.url.host
+        if host in down:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, text=engine_text(engines[host]))
+
+    clock = [100.0]
+    pods = [scrape.PodInfo("a", "ua", "10.0.0.1", True), scrape.PodInfo("b", "ub", "10.0.0.2", True),
+            scrape.PodInfo("c", "uc", None, False)]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        s = scrape.Scraper(client, clock=lambda: clock[0])
+        queue(engines["10.0.0.2"], 9.0)  # before the first scrape: history, not this interval
+        first = await s.scrape(pods, "ml")
+        assert [p.queue_buckets for p in first[:2]] == [(), ()]
+        for _ in range(9):
+            queue(engines["10.0.0.2"], 3.0)
+        queue(engines["10.0.0.1"], 0.02)
+        clock[0] = 110.0
+        second = await s.scrape(pods, "ml")
+        load = aggregate(second, max_age=30)
+        assert load.fresh_pods == 2 and load.kv_usage == pytest.approx(0.5)
+        assert load.waiting == 6 and load.running == 6
+        assert 2.5 <= load.queue_time_p90 <= 5.0  # the 9 s from before the window is not counted
+        assert second[2].ready is False and second[2].kv_usage is None
+        down.add("10.0.0.2")
+        clock[0] = 150.0
+        third = await s.scrape(pods, "ml")
+        assert third[1].age == pytest.approx(40.0)  # last good scrape, now stale
+        assert aggregate(third, max_age=30).fresh_pods == 1
