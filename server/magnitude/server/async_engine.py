@@ -274,7 +274,7 @@ class AsyncEngine:
 
         Raises ValueError naming an unknown class."""
         order = self.shed_order()
-        if classes is not None:
+        if classes is not None and enabled:
             unknown = [c for c in classes if c not in order]
             if unknown:
                 raise ValueError(f"unknown priority classes {unknown}; known: {order}")
