@@ -101,7 +101,7 @@ class Kube:
             method_, url, headers, body_, _ = self._api.param_serialize(
                 method=method, resource_path=path, query_params=params or [],
                 header_params={"Content-Type": content_type, "Accept": "application/json"},
-                body=json.dumps(body) if body is not None else None, auth_settings=["BearerToken"])
+                body=body, auth_settings=["BearerToken"])
             resp = self._api.call_api(method_, url, header_params=headers, body=body_)
             raw = resp.read()
         except OSError as e:  # connection refused, DNS, timeouts (urllib3 errors subclass it)

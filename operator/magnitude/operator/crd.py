@@ -128,7 +128,9 @@ def _field_default(field: FieldInfo) -> tuple[bool, Any]:
     if value is None:
         return False, None
     if isinstance(value, BaseModel):
-        return True, {}  # nested defaults come from the nested schema
+        # The whole default object, not `{}`: the API server checks defaults against the CEL rules
+        # without filling nested defaults first.
+        return True, _drop_none(value.to_document())
     if isinstance(value, list):
         return True, _drop_none([v.to_document() if isinstance(v, BaseModel) else v for v in value])
     return True, value
