@@ -1,0 +1,90 @@
+"""The real bundled model behind the real server, through the stock openai client.
+
+One server for the whole session (`model_server`): loading and every step are slow on two cores,
+so generations are short.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from .conftest import RunningServer
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "Write the number after 41.",
+    "Say hello in Spanish.",
+    "What do bees make?",
+    "Give me one word that rhymes with cat.",
+    "What is 2 plus 2?",
+    "Which planet do we live on?",
+]
+
+
+def client(s: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.v1, api_key="unused", max_retries=0, timeout=600)
+
+
+def model_id(s: RunningServer) -> str:
+    return client(s).models.list().data[0].id
+
+
+def greedy_chat(s: RunningServer, prompt: str, max_tokens: int = 8) -> str:
+    r = client(s).chat.completions.create(
+        model=model_id(s), messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0
+    )
+    return r.choices[0].message.content or ""
+
+
+def test_capital_of_france_contains_paris(model_server: RunningServer) -> None:
+    assert "Paris" in greedy_chat(model_server, PROMPTS[0], max_tokens=16)
+
+
+def test_chat_streaming_equals_non_streaming_and_usage_counts(model_server: RunningServer) -> None:
+    c = client(model_server)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    full = c.chat.completions.create(model=model_id(model_server), messages=messages, max_tokens=10, temperature=0)
+    chunks = list(
+        c.chat.completions.create(
+            model=model_id(model_server), messages=messages, max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == full.choices[0].message.content
+    tokenizer = model_server.engine.runner.tokenizer  # type: ignore[union-attr]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids
+    assert full.usage is not None and chunks[-1].usage is not None
+    assert full.usage.prompt_tokens == len(prompt_ids) == chunks[-1].usage.prompt_tokens
+    assert full.usage.completion_tokens == chunks[-1].usage.completion_tokens
+    if full.choices[0].finish_reason == "length":
+        assert full.usage.completion_tokens == 10
+    # Re-encoding the text gives the same count (no special tokens in a short answer).
+    assert abs(len(tokenizer.encode(streamed, add_special_tokens=False)) - full.usage.completion_tokens) <= 1
+
+
+def test_completions_stream_and_not_with_ignore_eos(model_server: RunningServer) -> None:
+    c = client(model_server)
+    kw = dict(model=model_id(model_server), prompt="The capital of France is", max_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = c.completions.create(**kw)  # type: ignore[arg-type]
+    parts = [ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices]  # type: ignore[arg-type]
+    assert "".join(parts) == full.choices[0].text
+    assert full.usage is not None and full.usage.completion_tokens == 6
+    assert full.choices[0].finish_reason == "length"
+
+
+def test_eight_concurrent_greedy_requests_equal_each_alone(model_server: RunningServer) -> None:
+    alone = [greedy_chat(model_server, p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: greedy_chat(model_server, p), PROMPTS))
+    assert together == alone
+    assert model_server.metric("magnitude_requests_running") == 0
+    assert model_server.metric("magnitude_kv_cache_usage_ratio") == 0
