@@ -60,6 +60,7 @@ def test_histogram_quantile_interpolates_within_the_bucket() -> None:
          2, a.PODS_PENDING),
         ("stale metrics hold the size", 3, pods(3, kv=1.0, age=120.0), 3, a.METRICS_UNAVAILABLE),
         ("no metrics at all hold the size", 3, [a.PodLoad(name="x", ready=True)], 3, a.METRICS_UNAVAILABLE),
+        ("nothing ready yet is pending, not a metrics failure", 2, pods(2, kv=None, ready=False), 2, a.PODS_PENDING),
         ("idle at minReplicas stays", 1, pods(1, kv=0.0), 1, a.AT_MIN),
     ],
 )

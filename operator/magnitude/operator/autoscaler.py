@@ -188,6 +188,9 @@ def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load
         want = spec.replicas if spec.replicas is not None else lo
         return want, EXTERNAL, f"autoscaling is off; spec.replicas decides ({want})", replace(memory, recommendations=())
     not_ready = sum(1 for p in pods if not p.ready) + max(0, current - len(pods))
+    if current > 0 and not load.available and load.ready_pods == 0 and not_ready > 0:
+        return _clamp_hold(current, lo, hi, PODS_PENDING, f"{not_ready} pod(s) pending or loading; no ready pod "
+                           f"to measure yet, holding {current}", memory)
     if current > 0 and not load.available:
         why = (f"no fresh metrics from {load.ready_pods} ready pod(s) (max age {a.metrics_max_age_seconds:g}s); "
                f"holding {current}")
