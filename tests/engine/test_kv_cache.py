@@ -86,6 +86,6 @@ def test_swap_is_bounded_by_host_blocks() -> None:
     assert kv.swap_out(b) is None  # host pool full: the caller falls back to recompute
     assert kv.usage().swap_used_blocks == 3
     back = kv.swap_in(a)
-    assert back is not None and [h for h, _ in back] == [h for _, h in pairs]
+    assert back is not None and [h for _, h in back] == [h for _, h in pairs]
     assert kv.usage().swap_used_blocks == 0
     kv.check_invariants()

@@ -8,6 +8,7 @@ the device blocks, later copy into *different* device blocks).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -43,7 +44,10 @@ PROMPTS = [
 def runner():
     from magnitude.runner import ModelRunner
 
-    return ModelRunner(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, num_swap_blocks=NUM_SWAP_BLOCKS, seed=0)
+    # One thread by default: the test host is shared, and spinning OpenMP threads then cost 10x.
+    threads = int(os.environ.get("MAGNITUDE_TEST_THREADS", "1"))
+    return ModelRunner(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, num_swap_blocks=NUM_SWAP_BLOCKS, seed=0,
+                       num_threads=threads)
 
 
 @pytest.fixture(scope="session")

@@ -226,7 +226,8 @@ class KVCacheManager:
         return pairs
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
-        """Bring a swapped request back: (host, device) copies, or None if device blocks are short."""
+        """Bring a swapped request back: (device, host) copies (the StepPlan contract), or None if
+        device blocks are short."""
         rid = request.request_id
         host = self.host_tables.get(rid)
         if host is None:
@@ -238,7 +239,7 @@ class KVCacheManager:
         self.tables[rid] = table
         request.block_ids = table
         self._host_free.extend(reversed(host))
-        return list(zip(host, table))
+        return list(zip(table, host))
 
     def num_host_blocks(self, request: Request) -> int:
         return len(self.host_tables.get(request.request_id, ()))

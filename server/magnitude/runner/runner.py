@@ -74,9 +74,14 @@ class ModelRunner:
         draft_proposer: DraftProposer | None = None,
         warmup: bool = True,
         seed: int | None = None,
+        num_threads: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_threads:
+            # Process-wide. On a shared host one thread per core actually free beats spinning
+            # OpenMP threads that fight other processes for the same cores.
+            torch.set_num_threads(num_threads)
         report = progress or (lambda phase, fraction: None)
         loaded = load_model(source, device, dtype, attn_implementation=ATTN_IMPLEMENTATION, progress=report)
         self.model = loaded.model
