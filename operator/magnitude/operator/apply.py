@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 import socket
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -32,6 +33,7 @@ RESOURCES: dict[tuple[str, str], str] = {
     (API_VERSION, KIND): PLURAL,
 }
 SERVICE_MONITOR_GV = "monitoring.coreos.com/v1"
+DISCOVERY_TTL_SECONDS = 60.0
 
 # Server-side apply of an object that does not exist yet creates it: the API server then checks
 # `create` as well as `patch`, so every applied kind needs both.
@@ -81,6 +83,7 @@ class Kube:
 
     def __init__(self, api_client: Any = None) -> None:
         self._api = api_client
+        self._service_monitors: tuple[float, bool] | None = None  # (checked at, served)
 
     @classmethod
     def from_environment(cls) -> "Kube":
@@ -146,7 +149,16 @@ class Kube:
         return out
 
     def has_service_monitors(self) -> bool:
-        """Whether the Prometheus Operator's ServiceMonitor CRD is served (API discovery, no RBAC needed)."""
+        """Whether the Prometheus Operator's ServiceMonitor CRD is served (API discovery, no RBAC
+        needed). Cached for a minute: every reconcile asks."""
+        now = time.monotonic()
+        if self._service_monitors is not None and now - self._service_monitors[0] < DISCOVERY_TTL_SECONDS:
+            return self._service_monitors[1]
+        served = self._discover_service_monitors()
+        self._service_monitors = (now, served)
+        return served
+
+    def _discover_service_monitors(self) -> bool:
         try:
             status, found = self._http("GET", f"/apis/{SERVICE_MONITOR_GV}")
         except ApiError:
