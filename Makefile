@@ -23,17 +23,20 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/magnitude serve --host $(HOST) --port $(PORT)
 
-test: setup
+test: setup e2e-build
 	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider e2e
 
 test-fast: setup
 	$(PY) -m pytest -q -m 'not model and not e2e'
 
+# Builds the control plane from Go modules into e2e/.bin (cached). Exit 3 from build.sh means
+# "no Go toolchain": the suite then skips with that message, or fails when CI=true.
 e2e-build:
-	bash e2e/build.sh
+	bash e2e/build.sh || test $$? -eq 3
 
 e2e: setup e2e-build
-	$(PY) -m pytest -q e2e
+	$(PY) -m pytest -q -p no:cacheprovider e2e
 
 crd: setup
 	$(VENV)/bin/magnitude crd > crds/modelservice.yaml

@@ -1,0 +1,290 @@
+"""A minimal kubelet for kwok pods: runs a real `magnitude serve` at each Running pod's IP.
+
+kwok makes pods Running and gives them a loopback pod IP (see kwok-stages.yaml) but runs
+nothing. This loop does the part of a kubelet the operator can observe: for every Running
+pod on the kwok node it materialises the pod's ConfigMap/Secret volumes and env, rewrites
+the container's own command line (mount paths -> local folders, listen host -> pod IP,
+plus `--runner simulated` unless told to run the real model) and starts it. It sets the
+pod's Ready condition from the container's readinessProbe, restarts a container that exits
+(restartCount), and stops the process when the pod goes away. Nothing here is specific to
+a ModelService: it reads only the pod spec the operator wrote.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kubernetes import client, config
+
+REPO = Path(__file__).resolve().parent.parent
+NODE_NAME = "kwok-node-0"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Engine:
+    """One container process standing in for a pod."""
+
+    key: str  # namespace/name
+    uid: str
+    ip: str
+    proc: subprocess.Popen
+    argv: list[str]
+    ready_url: str | None
+    ready: bool = False
+    restarts: int = 0
+
+
+@dataclass
+class Kubelet:
+    kubeconfig: Path
+    workdir: Path
+    # runner per ModelService-ish owner: pod label value -> "simulated" | "real".
+    runner_for: dict[str, str] = field(default_factory=dict)
+    default_runner: str = "simulated"
+    owner_label: str = "serving.magnitude.dev/modelservice"
+    extra_args: list[str] = field(default_factory=list)
+    engines: dict[str, Engine] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        api = config.new_client_from_config(config_file=str(self.kubeconfig))
+        self.core = client.CoreV1Api(api)
+
+    # -- loop -------------------------------------------------------------------------
+    def start(self) -> "Kubelet":
+        self._thread = threading.Thread(target=self._run, name="e2e-kubelet", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except Exception as err:  # keep going: a test reads self.errors on failure
+                self.errors.append(f"{now()} sync: {err!r}")
+                del self.errors[:-50]
+            self._stop.wait(0.5)
+
+    def sync(self) -> None:
+        pods = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={NODE_NAME}").items
+        seen = set()
+        for pod in pods:
+            key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+            running = pod.status.phase == "Running" and pod.status.pod_ip and not pod.metadata.deletion_timestamp
+            if not running:
+                continue
+            seen.add(key)
+            engine = self.engines.get(key)
+            if engine is not None and engine.uid != pod.metadata.uid:
+                self._kill(key)
+                engine = None
+            if engine is None:
+                engine = self._launch(pod)
+            self._check(pod, engine)
+        for key in list(self.engines):
+            if key not in seen:
+                self._kill(key)
+
+    # -- containers -------------------------------------------------------------------
+    def _launch(self, pod) -> Engine:
+        key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+        root = self.workdir / pod.metadata.namespace / pod.metadata.name
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        container = pod.spec.containers[0]
+        mounts = self._volumes(pod, container, root)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "server"), str(REPO / "operator")])
+        env.update(self._env(pod, container))
+        argv = self.command_line(pod, container, mounts)
+        env = {k: _rewrite(v, mounts) for k, v in env.items()}
+        log = open(self.workdir / f"{pod.metadata.namespace}_{pod.metadata.name}.log", "ab")
+        log.write(f"# {now()} {shlex.join(argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        probe = container.readiness_probe
+        ready_url = None
+        if probe is not None and probe.http_get is not None:
+            port = _port(probe.http_get.port, container)
+            ready_url = f"http://{pod.status.pod_ip}:{port}{probe.http_get.path or '/'}"
+        engine = Engine(key=key, uid=pod.metadata.uid, ip=pod.status.pod_ip, proc=proc, argv=argv,
+                        ready_url=ready_url)
+        old = self.engines.get(key)
+        if old is not None:
+            engine.restarts = old.restarts
+        self.engines[key] = engine
+        return engine
+
+    def command_line(self, pod, container, mounts: dict[str, Path]) -> list[str]:
+        raw = list(container.command or ["magnitude"]) + list(container.args or [])
+        argv = [_rewrite(a, mounts) for a in raw]
+        if Path(argv[0]).name == "magnitude":
+            argv[0:1] = [sys.executable, "-m", "magnitude.cli.main"]
+        # "All interfaces" inside a pod means the pod's own address.
+        argv = [a.replace("0.0.0.0", pod.status.pod_ip) for a in argv]
+        if "serve" in argv and not any(a == "--host" or a.startswith("--host=") for a in argv):
+            argv += ["--host", pod.status.pod_ip]
+        owner = (pod.metadata.labels or {}).get(self.owner_label, "")
+        runner = self.runner_for.get(owner, self.default_runner)
+        if "serve" in argv and "--runner" not in argv:
+            argv += ["--runner", runner]
+        return argv + self.extra_args
+
+    def _volumes(self, pod, container, root: Path) -> dict[str, Path]:
+        by_name = {v.name: v for v in pod.spec.volumes or []}
+        mounts: dict[str, Path] = {}
+        for mount in container.volume_mounts or []:
+            vol = by_name.get(mount.name)
+            if vol is None:
+                continue
+            local = root / "volumes" / mount.name
+            local.mkdir(parents=True, exist_ok=True)
+            if vol.config_map is not None:
+                cm = self.core.read_namespaced_config_map(vol.config_map.name, pod.metadata.namespace)
+                for k, v in (cm.data or {}).items():
+                    (local / k).write_text(v)
+            elif vol.secret is not None:
+                sec = self.core.read_namespaced_secret(vol.secret.secret_name, pod.metadata.namespace)
+                for k, v in (sec.data or {}).items():
+                    (local / k).write_bytes(base64.b64decode(v))
+            elif vol.projected is not None or vol.empty_dir is not None:
+                pass  # service-account token / scratch space: an empty folder is enough here
+            target = local / mount.sub_path if mount.sub_path else local
+            mounts[mount.mount_path] = target
+        return mounts
+
+    def _env(self, pod, container) -> dict[str, str]:
+        out: dict[str, str] = {}
+        ns = pod.metadata.namespace
+        for var in container.env or []:
+            if var.value is not None:
+                out[var.name] = var.value
+            elif var.value_from is not None:
+                src = var.value_from
+                if src.secret_key_ref is not None:
+                    sec = self.core.read_namespaced_secret(src.secret_key_ref.name, ns)
+                    out[var.name] = base64.b64decode((sec.data or {})[src.secret_key_ref.key]).decode()
+                elif src.config_map_key_ref is not None:
+                    cm = self.core.read_namespaced_config_map(src.config_map_key_ref.name, ns)
+                    out[var.name] = (cm.data or {})[src.config_map_key_ref.key]
+                elif src.field_ref is not None:
+                    out[var.name] = _field(pod, src.field_ref.field_path)
+        return out
+
+    def _check(self, pod, engine: Engine) -> None:
+        if engine.proc.poll() is not None:
+            # CrashLoop without the back-off: restart and count it, like a kubelet would.
+            restarts = engine.restarts + 1
+            self._kill(engine.key)
+            engine = self._launch(pod)
+            engine.restarts = restarts
+        ready = engine.ready_url is None or _http_ok(engine.ready_url)
+        current = {c.type: c.status for c in pod.status.conditions or []}
+        statuses = pod.status.container_statuses or []
+        restarts_now = statuses[0].restart_count if statuses else 0
+        if current.get("Ready") == str(ready) and restarts_now == engine.restarts:
+            engine.ready = ready
+            return
+        status = "True" if ready else "False"
+        reason = None if ready else "EngineNotReady"
+        conds = [c for c in (pod.status.conditions or []) if c.type not in ("Ready", "ContainersReady")]
+        body_conds = [{"type": c.type, "status": c.status, "lastTransitionTime": c.last_transition_time}
+                      for c in conds]
+        for t in ("Ready", "ContainersReady"):
+            body_conds.append({"type": t, "status": status, "reason": reason, "lastTransitionTime": now()})
+        cstat = [{"name": c.name, "image": c.image, "ready": ready, "started": True,
+                  "restartCount": engine.restarts, "state": {"running": {"startedAt": now()}}}
+                 for c in pod.spec.containers]
+        self.core.patch_namespaced_pod_status(
+            pod.metadata.name, pod.metadata.namespace,
+            {"status": {"conditions": body_conds, "containerStatuses": cstat}})
+        engine.ready = ready
+
+    def _kill(self, key: str) -> None:
+        engine = self.engines.pop(key, None)
+        if engine is None:
+            return
+        _end_group(engine.proc, 10.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for key in list(self.engines):
+            self._kill(key)
+
+    def log_tail(self, key: str, chars: int = 3000) -> str:
+        ns, name = key.split("/", 1)
+        path = self.workdir / f"{ns}_{name}.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def _rewrite(value: str, mounts: dict[str, Path]) -> str:
+    # Longest mount path first so /etc/a/b wins over /etc/a.
+    for mount_path in sorted(mounts, key=len, reverse=True):
+        if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+            return str(mounts[mount_path]) + value[len(mount_path.rstrip("/")):]
+        if "=" in value:
+            flag, _, rest = value.partition("=")
+            if rest == mount_path or rest.startswith(mount_path.rstrip("/") + "/"):
+                return f"{flag}={_rewrite(rest, mounts)}"
+    return value
+
+
+def _port(port, container) -> int:
+    if isinstance(port, int) or str(port).isdigit():
+        return int(port)
+    for p in container.ports or []:
+        if p.name == port:
+            return p.container_port
+    raise ValueError(f"unknown named port {port!r}")
+
+
+def _field(pod, path: str) -> str:
+    table = {"metadata.name": pod.metadata.name, "metadata.namespace": pod.metadata.namespace,
+             "metadata.uid": pod.metadata.uid, "status.podIP": pod.status.pod_ip,
+             "spec.nodeName": pod.spec.node_name, "status.hostIP": pod.status.host_ip or "127.0.0.1"}
+    if path.startswith("metadata.labels['"):
+        return (pod.metadata.labels or {}).get(path[len("metadata.labels['"):-2], "")
+    if path.startswith("metadata.annotations['"):
+        return (pod.metadata.annotations or {}).get(path[len("metadata.annotations['"):-2], "")
+    return str(table.get(path, ""))
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return 200 <= resp.status < 400
+    except Exception:
+        return False
+
+
+def _end_group(proc: subprocess.Popen, grace: float) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=grace)
