@@ -163,6 +163,8 @@ def test_every_api_verb_used_is_declared_and_every_declared_verb_is_used() -> No
     api.list_pods(NS, n.selector_string(NAME))
     api.set_deletion_costs(NS, {"p0": 1})
     api.read_admin_token(NS, NAME)
+    api.objects[f"/api/v1/namespaces/{NS}/secrets/{n.admin_secret_name(NAME)}"]["metadata"]["ownerReferences"] = []
+    reconcile(api, current(api))  # re-owns the Secret: an apply
     declared = {(g, r, v) for (g, r), verbs in PERMISSIONS.items() for v in verbs}
     assert api.used == declared
     assert not {(g, r) for g, r, _ in api.used} & {k for k in KOPF_PERMISSIONS if k not in PERMISSIONS}
@@ -187,3 +189,17 @@ def test_condition_transition_time_moves_only_on_flips() -> None:
     ready2 = next(c for c in s2.conditions if c.type == "Ready")
     assert ready1.last_transition_time == ready2.last_transition_time and ready2.observed_generation == 2
     assert st.transitions(s1, s2) == []
+
+
+def test_leftover_admin_secret_is_adopted_with_its_token(api: FakeApiServer) -> None:
+    """A ModelService deleted and re-created under the same name may find the old Secret still
+    there (the garbage collector is asynchronous): it is re-owned, and its token kept."""
+    reconcile(api, body(api))
+    token = api.read_admin_token(NS, NAME)
+    secret_path = f"/api/v1/namespaces/{NS}/secrets/{n.admin_secret_name(NAME)}"
+    api.objects[secret_path]["metadata"]["ownerReferences"][0]["uid"] = "a-deleted-owner"
+    result = reconcile(api, current(api))
+    assert [(type(x).__name__, x.obj["kind"]) for x in result.plan.actions] == [("Apply", "Secret")]
+    assert api.objects[secret_path]["metadata"]["ownerReferences"][0]["uid"] == "ms-uid"
+    assert api.read_admin_token(NS, NAME) == token
+    assert reconcile(api, current(api)).plan.empty

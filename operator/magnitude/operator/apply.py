@@ -9,6 +9,7 @@ ClusterRole is checked against it (tests/operator/test_chart.py).
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 import socket
@@ -44,7 +45,7 @@ PERMISSIONS: dict[tuple[str, str], frozenset[str]] = {
     ("apps", "deployments"): APPLY_VERBS,
     ("policy", "poddisruptionbudgets"): APPLY_VERBS,
     ("monitoring.coreos.com", "servicemonitors"): APPLY_VERBS,
-    ("", "secrets"): frozenset({"get", "create"}),
+    ("", "secrets"): APPLY_VERBS,  # created once with a fresh token; re-owned by apply, token kept
     ("", "pods"): frozenset({"list", "patch"}),
     ("", "events"): frozenset({"create"}),
     (GROUP, f"{PLURAL}/status"): frozenset({"patch"}),
@@ -172,11 +173,8 @@ class Kube:
         return list((found or {}).get("items", []))
 
     def read_admin_token(self, namespace: str, owner_name: str) -> str | None:
-        import base64
-
         secret = self._call("get", "v1", "secrets", namespace, n.admin_secret_name(owner_name))
-        raw = ((secret or {}).get("data") or {}).get(n.ADMIN_TOKEN_KEY)
-        return base64.b64decode(raw).decode() if raw else None
+        return secret_token(secret) if secret else None
 
     # -- writes -----------------------------------------------------------------------------------
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -247,3 +245,9 @@ class Kube:
 
 def new_admin_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+def secret_token(secret: dict[str, Any]) -> str:
+    """The admin token held in an admin-token Secret ("" when it has none)."""
+    raw = (secret.get("data") or {}).get(n.ADMIN_TOKEN_KEY)
+    return base64.b64decode(raw).decode() if raw else ""

@@ -114,6 +114,7 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
         url = pod_url(p, namespace)
         if url and entry.token and not await set_shedding(client, url, entry.token, decision.shed_classes):
             log.warning("%s/%s: pod %s did not accept shedding %s", namespace, name, p.name, decision.shed_classes)
+            entry.token = None  # re-read next tick, in case the Secret was replaced
 
 
 async def run(kube: Kube, registry: Registry, stop: asyncio.Event | None = None) -> None:
