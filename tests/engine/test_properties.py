@@ -19,21 +19,21 @@ TERMINAL_EVENTS = {"finish", "cancel", "reject", "timeout"}
 
 
 @st.composite
-def configs(draw):
+def configs(draw, pressure: bool = False):
     budget = draw(st.integers(4, 48))
     block = draw(st.sampled_from([1, 2, 4, 8]))
     sets = [
         f"scheduler.tokenBudget={budget}",
         f"scheduler.prefillChunkSize={draw(st.integers(1, budget))}",
-        f"scheduler.maxSequences={draw(st.integers(1, 12))}",
+        f"scheduler.maxSequences={draw(st.integers(6 if pressure else 1, 12))}",
         f"scheduler.preemptionMode={draw(st.sampled_from(['recompute', 'swap']))}",
         f"scheduler.agingSecondsPerLevel={draw(st.sampled_from(['null', '1', '5']))}",
         f"scheduler.tenantFairness={draw(st.booleans())}",
         f"scheduler.maxLookaheadTokens={draw(st.integers(0, 2))}",
         f"kvCache.blockSize={block}",
-        f"kvCache.numBlocks={draw(st.integers(50 // block + 1, 100 // block))}",
+        f"kvCache.numBlocks={draw(st.integers(50 // block + 1, (64 if pressure else 100) // block))}",
         f"kvCache.swapBlocks={draw(st.integers(0, 24))}",
-        f"admission.maxQueuedRequests={draw(st.sampled_from([3, 64]))}",
+        f"admission.maxQueuedRequests={64 if pressure else draw(st.sampled_from([3, 64]))}",
     ]
     if draw(st.booleans()):
         sets.append("scheduler.tenantQuotas=[{name: t0, maxRunningShare: 0.5, maxTokenShare: 0.5}]")
@@ -89,6 +89,17 @@ def check_sharing(s: Scheduler, reqs: dict[str, Request]) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs(), specs=request_specs, eos_every=st.integers(0, 9), fail_every=st.integers(0, 15))
 def test_scheduler_invariants_hold_on_random_traces(config, specs, eos_every, fail_every) -> None:
+    run_and_check(config, specs, eos_every, fail_every)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs(pressure=True), specs=request_specs.map(lambda xs: [dict(x, deadline=None) for x in xs]))
+def test_invariants_hold_under_memory_pressure(config, specs) -> None:
+    """Many sequences, few blocks: preemption (recompute and swap) on most examples."""
+    run_and_check(config, specs, eos_every=0, fail_every=0)
+
+
+def run_and_check(config, specs, eos_every: int, fail_every: int) -> None:
     s = Scheduler(config)
     sp = config.scheduler
     reqs = {f"r{i}": make(i, spec) for i, spec in enumerate(specs)}

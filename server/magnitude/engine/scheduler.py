@@ -270,8 +270,8 @@ class Scheduler:
         for req in partials:
             if step.budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue
+            if req.status is not RequestStatus.RUNNING or req.request_id in step.scheduled:
+                continue  # preempted, or preempted and re-admitted, earlier in this step
             n = min(self.chunk_size, req.num_tokens - req.num_computed_tokens, step.budget,
                     self._tenant_token_room(step, req.tenant))
             if n <= 0:
@@ -287,7 +287,8 @@ class Scheduler:
         while self.swapped and len(self.running) < self.max_sequences and step.budget > 0:
             req = self.swapped[0]
             n = min(self.chunk_size, req.num_tokens - req.num_computed_tokens, step.budget)
-            need = self.kv.blocks_for(req.num_computed_tokens + n)
+            # Its host copy may hold blocks allocated for work it never ran; it needs them all back.
+            need = max(self.kv.num_host_blocks(req), self.kv.blocks_for(req.num_computed_tokens + n))
             if need > self.kv.num_free_blocks:
                 self._defer(req, "kv_blocks", now)
                 return
@@ -348,6 +349,7 @@ class Scheduler:
             self._defer(head, "token_budget" if step.budget <= 0 else "max_sequences", now)
 
     def _take(self, step: _Step, req: Request, n: int) -> None:
+        assert req.request_id not in step.scheduled, f"{req.request_id} scheduled twice in one step"
         step.scheduled[req.request_id] = n
         step.budget -= n
         step.tenant_tokens[req.tenant] = step.tenant_tokens.get(req.tenant, 0) + n
