@@ -32,7 +32,11 @@ DEFAULT_STATE = E2E / ".state" / "cluster"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 # Pod IPs come from loopback so the harness can bind a real engine at each one:
 # the whole of 127.0.0.0/8 reaches `lo` on Linux without configuring anything.
-POD_CIDR = "127.77.0.0/24"
+# Each run takes its own /24 (from its pid) so suites running side by side never share
+# an address:port.
+def pod_cidr_for(pid: int) -> str:
+    return f"127.{100 + pid % 150}.{(pid // 150) % 256}.0/24"
+
 NODE_NAME = "kwok-node-0"
 SERVICE_CIDR = "10.96.0.0/16"
 
@@ -102,6 +106,7 @@ class Cluster:
     state: Path = DEFAULT_STATE
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
+    pod_cidr: str = field(default_factory=lambda: pod_cidr_for(os.getpid()))
 
     @property
     def kubeconfig(self) -> Path:
@@ -217,10 +222,10 @@ class Cluster:
             ])
             self._spawn("kwok", [
                 f"--kubeconfig={self.kubeconfig}", f"--config={E2E / 'kwok-stages.yaml'}",
-                "--manage-all-nodes=true", f"--cidr={POD_CIDR}", "--node-ip=127.0.0.1",
+                "--manage-all-nodes=true", f"--cidr={self.pod_cidr}", "--node-ip=127.0.0.1",
                 "--node-lease-duration-seconds=40", f"--server-address=127.0.0.1:{free_port()}",
             ])
-            self.kubectl("apply", "-f", "-", input=json.dumps(node_manifest()))
+            self.kubectl("apply", "-f", "-", input=json.dumps(node_manifest(self.pod_cidr)))
             self._wait("kwok node", self._node_ready, timeout)
             self._wait("default service account", lambda: bool(
                 self.kubectl("get", "serviceaccount", "default", "-o", "name", check=False).strip()), timeout)
@@ -241,13 +246,13 @@ class Cluster:
         (self.state / "pids.json").unlink(missing_ok=True)
 
 
-def node_manifest() -> dict:
+def node_manifest(pod_cidr: str) -> dict:
     return {
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": NODE_NAME, "annotations": {"kwok.x-k8s.io/node": "fake"},
                      "labels": {"kubernetes.io/hostname": NODE_NAME, "kubernetes.io/os": "linux",
                                 "kubernetes.io/arch": "amd64", "type": "kwok"}},
-        "spec": {"podCIDR": POD_CIDR, "podCIDRs": [POD_CIDR]},
+        "spec": {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]},
         "status": {"capacity": {"cpu": "64", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"},
                    "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"}},
     }
