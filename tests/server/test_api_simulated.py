@@ -181,3 +181,22 @@ def test_tenant_and_priority_class_reach_metrics() -> None:
         assert s.metric("magnitude_requests_finished_total", status="finished", priority_class="batch", tenant="acme") == 1
         assert s.metric("magnitude_requests_finished_total", status="finished", priority_class="standard", tenant="other") == 1
         assert s.metric("magnitude_generation_tokens_total") == 4
+
+
+def test_oversized_body_is_413_not_buffered() -> None:
+    config = sim_config()
+    with serve(simulated(config), config, ServerSettings(max_body_bytes=10_000)) as s:
+        big = {"model": "simulated", "messages": [{"role": "user", "content": "x" * 20_000}]}
+        r = httpx.post(s.v1 + "/chat/completions", json=big)
+        assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: counted as it streams in
+            yield b'{"model": "simulated", "messages": [{"role": "user", "content": "'
+            for _ in range(30):
+                yield b"x" * 1000
+            yield b'"}]}'
+
+        r = httpx.post(s.v1 + "/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        ok = {"model": "simulated", "messages": [{"role": "user", "content": "ok"}], "max_tokens": 2}
+        assert httpx.post(s.v1 + "/chat/completions", json=ok).status_code == 200

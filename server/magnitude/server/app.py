@@ -31,7 +31,9 @@ from magnitude.server.async_engine import (
     Rejected,
     RequestSpec,
     RequestStream,
+    new_request_id,
 )
+from magnitude.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from magnitude.server.errors import APIError, install_error_handlers
 from magnitude.server.protocol import ChatCompletionRequest, CompletionRequest, SheddingRequest
 from magnitude.server.responses import SSE_DONE, ResponseBuilder, sse
@@ -48,6 +50,7 @@ class ServerSettings:
     served_model_name: str | None = None  # extra name clients may use for the model
     shutdown_grace_s: float = 30.0
     loading_wait_s: float = 600.0  # how long a streaming request with include_progress waits for loading
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerSettings":
@@ -74,6 +77,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         await engine.shutdown(grace_s=0.0 if engine.stopping else settings.shutdown_grace_s)
 
     app = FastAPI(title="Magnitude", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.state.engine = engine
     app.state.settings = settings
     install_error_handlers(app)
@@ -222,9 +226,9 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             include_progress=body.include_progress,
         )
 
-    def submit(spec: RequestSpec) -> RequestStream:
+    def submit(spec: RequestSpec, request_id: str | None = None) -> RequestStream:
         try:
-            return engine.submit(spec)
+            return engine.submit(spec, request_id)
         except Rejected as exc:
             kind = exc.reason.split(":", 1)[0]
             if kind in ("too_long", "exceeds_kv_capacity"):
@@ -254,7 +258,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
 
     async def _stream_after_loading(body: ChatCompletionRequest | CompletionRequest, tenant: str, chat: bool) -> AsyncIterator[str]:
         """Streaming request that arrived while loading: report loading progress, then serve it."""
-        builder = ResponseBuilder("cmpl-loading", chat, body.model)
+        builder = ResponseBuilder(new_request_id(), chat, body.model)
         queue: list[str] = []
 
         async def report(ev: Progress) -> None:
@@ -270,7 +274,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
                 yield queue.pop(0)
             waiter.result()
             spec = await prepare(body, tenant, chat)
-            stream = submit(spec)
+            stream = submit(spec, builder.request_id)
         except (APIError, NotReady) as exc:
             err = exc if isinstance(exc, APIError) else APIError(503, str(exc), code=f"not_ready:{exc.phase}")
             yield sse(err.body())
@@ -278,7 +282,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             return
         finally:
             waiter.cancel()
-        builder = ResponseBuilder(stream.request_id, chat, body.model, want_logprobs=spec.sampling.logprobs is not None)
+        builder.want_logprobs = spec.sampling.logprobs is not None
         async for chunk in _sse(stream, builder, body.include_usage, pre=[]):
             yield chunk
 

@@ -143,6 +143,10 @@ class _Tracked:
     events: list[Event] = field(default_factory=list)
 
 
+def new_request_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
 def _status_name(status: Any) -> str:
     name = getattr(status, "name", str(status)).lower()
     return {"finished": "finished", "cancelled": "cancelled", "timed_out": "timed_out", "rejected": "rejected"}.get(
@@ -289,7 +293,7 @@ class AsyncEngine:
         return shed
 
     # -- requests (event-loop thread) ---------------------------------------------------------------
-    def submit(self, spec: RequestSpec) -> RequestStream:
+    def submit(self, spec: RequestSpec, request_id: str | None = None) -> RequestStream:
         if not self.ready:
             raise NotReady(*self.not_ready_reason())
         assert self.loop is not None and self.runner is not None
@@ -297,7 +301,7 @@ class AsyncEngine:
         from magnitude.runner.detokenize import IncrementalDetokenizer
 
         now = self.clock()
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = request_id or new_request_id()
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(spec.prompt_token_ids),
