@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from magnitude.operator.apply import KOPF_PERMISSIONS, PERMISSIONS
 from magnitude.server.metrics import EngineMetrics
-from conftest import ROOT
+from opkit import ROOT
 
 CHART = ROOT / "charts" / "magnitude"
 KUBE_VERSION = "1.31.0"

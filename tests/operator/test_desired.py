@@ -31,6 +31,10 @@ def test_config_map_is_the_engine_document_without_translation() -> None:
     assert set(doc) == set(EngineConfig().to_document())  # nothing added, nothing renamed
     assert EngineConfig.model_validate(doc) == s.engine_config()
     assert doc["scheduler"]["preemptionMode"] == "swap" and doc["kvCache"]["swapBlocks"] == 64
+    # A field nobody wrote stays out, so the engine applies its own default (and its own rules for it).
+    sparse = yaml.safe_load(d.build_config_map(OWNER, spec(scheduler={"tokenBudget": 64}))["data"][n.CONFIG_FILE])
+    assert sparse["scheduler"] == {"tokenBudget": 64}
+    assert EngineConfig.model_validate(sparse).scheduler.token_budget == 64
 
 
 def test_children_carry_owner_reference_and_labels() -> None:

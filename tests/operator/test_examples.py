@@ -10,7 +10,7 @@ import yaml
 
 from magnitude.operator.spec import ModelServiceSpec
 from magnitude.operator.validation import unsupported
-from conftest import ROOT
+from opkit import ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 

@@ -10,8 +10,8 @@ import pytest
 
 from magnitude.operator import handlers
 from magnitude.operator.apply import ApiError
-from conftest import FakeApiServer
-from test_reconcile import body
+from opkit import FakeApiServer
+from opkit import body
 
 
 def registry() -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from opkit import ROOT
 
 PKG = ROOT / "operator" / "magnitude" / "operator"
 MODULES = sorted(p for p in PKG.glob("*.py") if p.name != "__init__.py")

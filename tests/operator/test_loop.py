@@ -15,8 +15,7 @@ from magnitude.operator import loop
 from magnitude.operator import naming as n
 from magnitude.operator.reconcile import reconcile
 from magnitude.server.metrics import EngineMetrics
-from conftest import FakeApiServer
-from test_reconcile import DEP_PATH, MS_PATH, NS, body, cond, current
+from opkit import DEP_PATH, MS_PATH, NS, FakeApiServer, body, cond, current
 
 
 def engine(kv_used: int, waiting: int) -> EngineMetrics:

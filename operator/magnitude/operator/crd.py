@@ -73,6 +73,11 @@ LIST_MAP_KEYS: dict[tuple[str, str], list[str]] = {
     ("ModelServiceStatus", "conditions"): ["type"],
 }
 
+# Defaults the API server must NOT fill in, so a CEL rule sees only what the user wrote: the
+# engine's default chunk (512) simply caps at a smaller tokenBudget, but an explicit chunk larger
+# than the budget is a mistake worth refusing.
+NO_SERVER_DEFAULT: set[tuple[str, str]] = {("SchedulerPolicy", "prefillChunkSize")}
+
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
@@ -112,14 +117,6 @@ def _type_args(annotation: Any) -> list[Any]:
     return out
 
 
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
-    return value
-
-
 def _field_default(field: FieldInfo) -> tuple[bool, Any]:
     """(has a default worth writing into the CRD, that default in wire form)."""
     if field.is_required():
@@ -130,10 +127,28 @@ def _field_default(field: FieldInfo) -> tuple[bool, Any]:
     if isinstance(value, BaseModel):
         # The whole default object, not `{}`: the API server checks defaults against the CEL rules
         # without filling nested defaults first.
-        return True, _drop_none(value.to_document())
+        return True, _wire(value)
     if isinstance(value, list):
-        return True, _drop_none([v.to_document() if isinstance(v, BaseModel) else v for v in value])
+        return True, [_wire(v) if isinstance(v, BaseModel) else v for v in value]
     return True, value
+
+
+def _wire(model: BaseModel) -> dict[str, Any]:
+    """A model's wire form without nulls and without the fields the server must not default."""
+    doc = model.to_document()  # type: ignore[attr-defined]
+    out: dict[str, Any] = {}
+    for name, field in type(model).model_fields.items():
+        alias = field.alias or name
+        value = getattr(model, name)
+        if value is None or (type(model).__name__, alias) in NO_SERVER_DEFAULT:
+            continue
+        if isinstance(value, BaseModel):
+            out[alias] = _wire(value)
+        elif isinstance(value, list):
+            out[alias] = [_wire(v) if isinstance(v, BaseModel) else d for v, d in zip(value, doc[alias])]
+        else:
+            out[alias] = doc[alias]
+    return out
 
 
 class _Converter:
@@ -156,7 +171,7 @@ class _Converter:
             has_default, default = _field_default(field)
             if field.is_required():
                 required.append(alias)
-            elif has_default and self.with_defaults:
+            elif has_default and self.with_defaults and (cls.__name__, alias) not in NO_SERVER_DEFAULT:
                 prop["default"] = default
             if null_ok and has_default:
                 prop["nullable"] = True  # null is a distinct choice from the default here

@@ -55,8 +55,9 @@ def _metadata(owner: Owner, name: str) -> dict[str, Any]:
 
 
 def engine_document(spec: ModelServiceSpec) -> dict[str, Any]:
-    """The engine's config file content (DESIGN §3 Config)."""
-    return spec.engine_config().to_document()
+    """The engine's config file content (DESIGN §3 Config): the fields as written (after the API
+    server's defaulting), so a value left to the engine stays the engine's choice."""
+    return spec.engine_config().model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
 def desired_replicas(spec: ModelServiceSpec, status: ModelServiceStatus | None) -> int:
