@@ -72,10 +72,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} before it was ready ({url})")
         try:
-            if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
-                # llama-server answers /v1/models while loading; /health says when it is ready.
-                h = httpx.get(url + "/health", timeout=2.0)
-                if h.status_code in (200, 404):
+            models = httpx.get(url + "/v1/models", timeout=2.0)
+            # Servers answer /v1/models while loading (Magnitude: empty list; llama-server: /health 503).
+            if models.status_code == 200 and models.json().get("data"):
+                ready = httpx.get(url + "/readyz", timeout=2.0).status_code in (200, 404)
+                if ready and httpx.get(url + "/health", timeout=2.0).status_code != 503:
                     return
         except httpx.HTTPError:
             pass
@@ -120,7 +121,10 @@ def summarize(report: dict, trace_name: str) -> dict:
 def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=f"{ROOT / 'server'}:{ROOT / 'operator'}")
+    # Same threading for all three (torch and ggml both use OpenMP here): passive waits, since
+    # spinning OpenMP threads on a shared host cost Magnitude's runner 20x (see runner/__init__.py).
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY="PASSIVE",
+               PYTHONPATH=f"{ROOT / 'server'}:{ROOT / 'operator'}")
     log = open(out_dir / f"{system}.log", "w")
     proc = subprocess.Popen(server_command(system, port, args, gguf), env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

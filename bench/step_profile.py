@@ -20,11 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "server")]
 
-import torch  # noqa: E402
-
-from magnitude.cli.profile import _plan, blocks_needed  # noqa: E402
-from magnitude.runner import ModelRunner  # noqa: E402
+from magnitude.runner import ModelRunner  # noqa: E402  (first: sets OMP_WAIT_POLICY before torch loads)
 from magnitude.runner import attention as paged  # noqa: E402
+from magnitude.cli.profile import _plan, blocks_needed  # noqa: E402
+
+import torch  # noqa: E402
 
 
 class Timers:
