@@ -16,7 +16,7 @@ from magnitude.operator import naming as n
 from magnitude.operator import plan as p
 from magnitude.operator import status as st
 from magnitude.operator.apply import KOPF_PERMISSIONS, PERMISSIONS
-from magnitude.operator.reconcile import SpecInvalid, reconcile
+from magnitude.operator.reconcile import SpecInvalid, parse_status, reconcile
 from opkit import DEP_PATH, MS_PATH, NAME, NS, FakeApiServer, body, cond, current, mark_deployment_ready
 
 def test_first_reconcile_creates_children_status_and_event(api: FakeApiServer) -> None:
@@ -170,3 +170,16 @@ def test_leftover_admin_secret_is_adopted_with_its_token(api: FakeApiServer) -> 
     assert api.objects[secret_path]["metadata"]["ownerReferences"][0]["uid"] == "ms-uid"
     assert api.read_admin_token(NS, NAME) == token
     assert reconcile(api, current(api)).plan.empty
+
+
+def test_autoscaler_memory_survives_a_restart_through_status(api: FakeApiServer) -> None:
+    """The stabilization windows and shed state live in status, so a new operator process resumes
+    them instead of starting from scratch."""
+    reconcile(api, body(api, minReplicas=1, maxReplicas=4, autoscaling={"enabled": True}))
+    memory = a.Memory(recommendations=((100.0, 4), (130.5, 1)), shed_classes=("batch",), shed_changed_at=120.0,
+                      overloaded_since=None, calm_since=125.0)
+    decision = a.Decision(replicas=1, reason=a.STABILIZING, message="holding", shed_classes=("batch",),
+                          shed_reason=a.SHED_HOLDING, shed_message="calm", memory=memory,
+                          load=a.Load(fresh_pods=1, ready_pods=1, kv_usage=0.1, waiting=0, running=0))
+    reconcile(api, current(api), decision)
+    assert st.memory_from_status(parse_status(current(api))) == memory
