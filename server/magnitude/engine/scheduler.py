@@ -72,7 +72,7 @@ class Scheduler:
         self.policy = sp
         self.token_budget = sp.token_budget
         self.max_sequences = sp.max_sequences
-        self.chunk_size = sp.prefill_chunk_size or sp.token_budget
+        self.chunk_size = min(sp.prefill_chunk_size or sp.token_budget, sp.token_budget)
         self.max_lookahead = sp.max_lookahead_tokens
         blocks = num_blocks if num_blocks is not None else config.kv_cache.num_blocks
         if blocks is None:

@@ -114,12 +114,8 @@ class SchedulerPolicy(PolicyModel):
             raise ValueError(
                 f"defaultPriorityClass: {self.default_priority_class!r} is not one of the priorityClasses {names}"
             )
-        # Only an explicit chunk size conflicts: the default (512) simply caps at a smaller budget.
-        chunk_set = "prefill_chunk_size" in self.model_fields_set
-        if chunk_set and self.prefill_chunk_size is not None and self.prefill_chunk_size > self.token_budget:
-            raise ValueError(
-                f"prefillChunkSize: {self.prefill_chunk_size} exceeds tokenBudget {self.token_budget}"
-            )
+        # A chunk larger than tokenBudget is not an error: the scheduler caps it at the budget, so
+        # `--set scheduler.tokenBudget=16` works with the default chunk and documents round-trip.
         tenants = [q.name for q in self.tenant_quotas]
         if len(set(tenants)) != len(tenants):
             raise ValueError("tenantQuotas: duplicate tenant names")

@@ -63,7 +63,7 @@ def long_prompt(o: ScenarioOptions) -> list[TraceRecord]:
 def tenants(o: ScenarioOptions) -> list[TraceRecord]:
     """A heavy tenant at 10x the rate of a quiet one, together above service rate: the quiet one progresses."""
     rng = random.Random(o.seed)
-    rate = o.rate or 14.0
+    rate = o.rate or 25.0
     recs: list[TraceRecord] = []
     for i, t in enumerate(_poisson_arrivals(rng, rate, o.n, o.duration or (None if o.n else 30.0))):
         tenant = "quiet" if rng.random() < 1 / 11 else "heavy"

@@ -54,9 +54,8 @@ def parse_trace(lines: Iterable[str], source: str = "trace") -> list[TraceRecord
         try:
             rec = TraceRecord.model_validate(raw)
         except ValidationError as e:
-            first = e.errors()[0]
-            key = ".".join(str(p) for p in first["loc"]) or "(line)"
-            raise TraceError(f"{source}:{lineno}: {key}: {first['msg']}") from e
+            problems = "; ".join(f"{'.'.join(str(p) for p in x['loc']) or '(line)'}: {x['msg']}" for x in e.errors())
+            raise TraceError(f"{source}:{lineno}: {problems}") from e
         if rec.id in seen:
             raise TraceError(f"{source}:{lineno}: id: duplicate id {rec.id!r} (first on line {seen[rec.id]})")
         seen[rec.id] = lineno
