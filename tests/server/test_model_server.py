@@ -88,3 +88,26 @@ def test_eight_concurrent_greedy_requests_equal_each_alone(model_server: Running
     assert together == alone
     assert model_server.metric("magnitude_requests_running") == 0
     assert model_server.metric("magnitude_kv_cache_usage_ratio") == 0
+
+
+def test_disconnect_mid_stream_frees_running_and_kv(model_server: RunningServer) -> None:
+    import time
+
+    import httpx
+
+    body = {"model": model_id(model_server), "prompt": "Once upon a time", "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", model_server.v1 + "/completions", json=body, timeout=300) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith('data: {"id"'):
+            pass
+        assert model_server.metric("magnitude_requests_running") == 1
+        assert model_server.metric("magnitude_kv_cache_usage_ratio") > 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if model_server.metric("magnitude_requests_running") == 0 and model_server.metric("magnitude_kv_cache_usage_ratio") == 0:
+            break
+        time.sleep(0.1)
+    assert model_server.metric("magnitude_requests_running") == 0
+    assert model_server.metric("magnitude_kv_cache_usage_ratio") == 0
+    assert model_server.metric("magnitude_requests_finished_total", status="cancelled") >= 1
