@@ -288,6 +288,22 @@ def _end_group(pid: int, grace: float, proc: subprocess.Popen | None = None) -> 
         proc.wait(timeout=grace)
 
 
+def processes_mentioning(path: Path) -> list[tuple[int, str]]:
+    """Live processes whose command line names `path` (leak check after teardown)."""
+    needle = str(path).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if needle in cmdline and (entry / "stat").read_text().split(") ")[-1][:1] != "Z":
+                found.append((int(entry.name), cmdline.replace(b"\0", b" ").decode(errors="replace")[:160]))
+        except OSError:
+            continue
+    return found
+
+
 def stop_recorded(state: Path, grace: float = 10.0) -> None:
     """Stop processes a previous run recorded, only if they still run one of our binaries."""
     pids_file = state / "pids.json"

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import pytest
 
-from cluster import BIN, Cluster, ClusterError, missing_binaries
+from cluster import BIN, Cluster, ClusterError, missing_binaries, processes_mentioning
 from kubelet import Kubelet
 
 E2E = Path(__file__).resolve().parent
@@ -64,6 +64,9 @@ def cluster() -> Cluster:
         pytest.fail(str(err), pytrace=False)
     yield c
     c.stop()
+    leaked = processes_mentioning(c.state)
+    if leaked:
+        pytest.fail(f"processes left running after teardown: {leaked}", pytrace=False)
     if not os.environ.get("E2E_KEEP_STATE"):
         shutil.rmtree(c.state, ignore_errors=True)
 
@@ -172,7 +175,7 @@ def chart_objects() -> list[dict]:
             pytest.fail(f"helm template failed: {out.stderr}", pytrace=False)
         return [d for d in yaml.safe_load_all(out.stdout) if d]
     rules = yaml.safe_load((chart / "files" / "operator-rules.yaml").read_text())
-    name = "magnitude-operator"
+    name = "magnitude"  # what the chart's fullname helper gives release "magnitude"
     subject = {"kind": "ServiceAccount", "name": name, "namespace": OPERATOR_NAMESPACE}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": OPERATOR_NAMESPACE}},

@@ -9,8 +9,8 @@ CLUSTER="${CLUSTER:-magnitude}"
 TAG="${TAG:-dev}"
 ENGINE_IMAGE="magnitude/engine:${TAG}"
 OPERATOR_IMAGE="magnitude/operator:${TAG}"
-ENGINE_DOCKERFILE="${ENGINE_DOCKERFILE:-server/Dockerfile}"
-OPERATOR_DOCKERFILE="${OPERATOR_DOCKERFILE:-operator/Dockerfile}"
+ENGINE_DOCKERFILE="${ENGINE_DOCKERFILE:-Dockerfile.engine}"
+OPERATOR_DOCKERFILE="${OPERATOR_DOCKERFILE:-Dockerfile.operator}"
 EXAMPLE="${EXAMPLE:-examples/cpu-smollm2.yaml}"
 NAMESPACE="${NAMESPACE:-default}"
 LOCAL_PORT="${LOCAL_PORT:-18000}"
@@ -43,8 +43,9 @@ kubectl port-forward -n "$NAMESPACE" "service/$NAME" "$LOCAL_PORT:8000" >/dev/nu
 PF=$!
 trap 'kill $PF' EXIT
 for _ in $(seq 30); do curl -fsS "http://127.0.0.1:$LOCAL_PORT/readyz" >/dev/null 2>&1 && break; sleep 1; done
+MODEL="$(curl -fsS "http://127.0.0.1:$LOCAL_PORT/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')"
 curl -fsS "http://127.0.0.1:$LOCAL_PORT/v1/chat/completions" \
   -H 'Content-Type: application/json' \
-  -d '{"model": "'"$NAME"'", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}'
+  -d '{"model": "'"$MODEL"'", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}'
 echo
 echo "run.sh: done. Delete the cluster with: kind delete cluster --name $CLUSTER"
