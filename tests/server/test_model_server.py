@@ -111,3 +111,14 @@ def test_disconnect_mid_stream_frees_running_and_kv(model_server: RunningServer)
     assert model_server.metric("magnitude_requests_running") == 0
     assert model_server.metric("magnitude_kv_cache_usage_ratio") == 0
     assert model_server.metric("magnitude_requests_finished_total", status="cancelled") >= 1
+
+
+def test_logprobs_are_real_and_greedy_picks_the_top(model_server: RunningServer) -> None:
+    r = client(model_server).completions.create(
+        model=model_id(model_server), prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.token_logprobs) == 3 and all(v <= 0.0 for v in lp.token_logprobs)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 2 and max(top.values()) == pytest.approx(chosen, abs=1e-4)
