@@ -85,23 +85,17 @@ class Kubelet:
 
     def sync(self) -> None:
         pods = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={NODE_NAME}").items
-        seen = set()
-        for pod in pods:
-            key = f"{pod.metadata.namespace}/{pod.metadata.name}"
-            running = pod.status.phase == "Running" and pod.status.pod_ip and not pod.metadata.deletion_timestamp
-            if not running:
-                continue
-            seen.add(key)
-            engine = self.engines.get(key)
-            if engine is not None and engine.uid != pod.metadata.uid:
+        running = {
+            f"{p.metadata.namespace}/{p.metadata.name}": p for p in pods
+            if p.status.phase == "Running" and p.status.pod_ip and not p.metadata.deletion_timestamp
+        }
+        # Stop what went away first: kwok may hand a freed pod IP to the next pod.
+        for key, engine in list(self.engines.items()):
+            if key not in running or running[key].metadata.uid != engine.uid:
                 self._kill(key)
-                engine = None
-            if engine is None:
-                engine = self._launch(pod)
+        for key, pod in running.items():
+            engine = self.engines.get(key) or self._launch(pod)
             self._check(pod, engine)
-        for key in list(self.engines):
-            if key not in seen:
-                self._kill(key)
 
     # -- containers -------------------------------------------------------------------
     def _launch(self, pod) -> Engine:
