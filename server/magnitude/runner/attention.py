@@ -2,9 +2,11 @@
 
 `build_paged_batch` turns one step's sequences (flattened into a single token row) into index
 tensors once per step; `paged_attention_forward` runs per layer: it writes the new tokens' K/V
-into their slots, gathers each sequence's cached prefix + new K/V by slot index (vectorised, no
-per-token Python), and runs torch SDPA with a per-sequence causal mask. Sequences are grouped by
-shape (decodes, then prefill chunks) so a 1-token decode is never padded to a long chunk.
+into their slots, gathers each sequence's cached prefix + new K/V *by whole blocks* (one indexed
+copy of block_size rows at a time, vectorised, no per-token Python), and runs torch SDPA with a
+per-sequence causal mask. Sequences are grouped by shape (decodes apart from prefill chunks) and by
+context length (a bucket never pads to more than twice its shortest context), so a 1-token decode
+is never padded to a long chunk and 12 short chats are not padded to one 1,500-token context.
 Without a `magnitude_batch` kwarg the function falls back to stock SDPA, so the same model object
 still works with `model.generate`.
 """
@@ -36,7 +38,8 @@ class AttnGroup:
     """Sequences attended together in one padded SDPA call."""
 
     q_index: torch.Tensor  # [B, Qmax] rows of the flattened step (padding -> row 0)
-    kv_slots: torch.Tensor  # [B, Lmax] cache slots of positions 0..Lmax-1 (padding -> slot 0)
+    kv_blocks: torch.Tensor  # [B, NB] block ids covering positions 0..NB*bs-1 (padding -> block 0)
+    kv_len: int  # Lmax: keys beyond it are cut off after the gather (a view)
     mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, True = attend; None = plain causal, no padding
     src_rows: torch.Tensor | None  # valid rows of the [B*Qmax] output (None: all, in order)
     dst_rows: torch.Tensor | None  # where they go in the flattened output
@@ -48,6 +51,7 @@ class PagedBatch:
     groups: list[AttnGroup]
     k_layers: list[torch.Tensor]  # per layer [slots, kv_heads, head_dim]
     v_layers: list[torch.Tensor]
+    block_size: int
     num_tokens: int
     identity_output: bool  # one group covering every row in order: no scatter needed
 
@@ -72,21 +76,20 @@ def _group(seqs: list[SeqSlice], block_size: int, device: torch.device, total_to
     offset = np.array([s.offset for s in seqs], dtype=np.int64)
     q_max = int(n.max())
     l_max = int((start + n).max())
-    tables = _padded_tables(seqs, (l_max + block_size - 1) // block_size)
+    num_blocks = (l_max + block_size - 1) // block_size
+    kv_blocks = _padded_tables(seqs, num_blocks)[:, :num_blocks]
 
     j = np.arange(q_max, dtype=np.int64)[None, :]
     q_valid = j < n[:, None]
     q_index = np.where(q_valid, offset[:, None] + j, 0)
     q_pos = np.where(q_valid, start[:, None] + j, 0)  # padding rows see only position 0 (no NaN rows)
-    p = np.broadcast_to(np.arange(l_max, dtype=np.int64)[None, :], (len(seqs), l_max))
-    ctx = (start + n)[:, None]
-    kv_slots = np.where(p < ctx, _slots(tables, np.minimum(p, ctx - 1), block_size), 0)
 
     plain_causal = len(seqs) == 1 and start[0] == 0  # whole prompt from scratch: SDPA's is_causal
-    single_decode = len(seqs) == 1 and q_max == 1
+    single_decode = len(seqs) == 1 and q_max == 1  # attends to every key up to l_max
     mask = None
     if not plain_causal and not single_decode:
-        mask = torch.from_numpy(p[:, None, :] <= q_pos[:, :, None]).unsqueeze(1).to(device)
+        p = np.arange(l_max, dtype=np.int64)[None, None, :]
+        mask = torch.from_numpy(p <= q_pos[:, :, None]).unsqueeze(1).to(device)
 
     src_rows = dst_rows = None
     if not (len(seqs) == 1 and q_max == total_tokens):
@@ -95,11 +98,26 @@ def _group(seqs: list[SeqSlice], block_size: int, device: torch.device, total_to
         dst_rows = torch.from_numpy(q_index.reshape(-1)[flat_valid]).to(device)
     return AttnGroup(
         q_index=torch.from_numpy(q_index).to(device),
-        kv_slots=torch.from_numpy(kv_slots).to(device),
+        kv_blocks=torch.from_numpy(np.ascontiguousarray(kv_blocks)).to(device),
+        kv_len=l_max,
         mask=mask,
         src_rows=src_rows,
         dst_rows=dst_rows,
     )
+
+
+def _buckets(seqs: list[SeqSlice], min_len: int = 128) -> list[list[SeqSlice]]:
+    """Split by context length so padding stays under 2x (contexts under `min_len` share one bucket)."""
+    out: list[list[SeqSlice]] = []
+    first = 0
+    for s in sorted(seqs, key=lambda s: s.start + s.n):
+        ctx = s.start + s.n
+        if out and ctx <= max(2 * first, min_len):
+            out[-1].append(s)
+        else:
+            out.append([s])
+            first = ctx
+    return out
 
 
 def build_paged_batch(
@@ -119,12 +137,13 @@ def build_paged_batch(
 
     decodes = [s for s in seqs if s.n == 1]
     chunks = [s for s in seqs if s.n > 1]
-    groups = [_group(g, block_size, device, total) for g in (decodes, chunks) if g]
+    groups = [_group(b, block_size, device, total) for g in (decodes, chunks) if g for b in _buckets(g)]
     return PagedBatch(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         groups=groups,
         k_layers=k_layers,
         v_layers=v_layers,
+        block_size=block_size,
         num_tokens=total,
         identity_output=len(groups) == 1 and groups[0].src_rows is None,
     )
@@ -152,11 +171,15 @@ def paged_attention_forward(
 
     q_rows = query[0].transpose(0, 1)  # [T, heads, head_dim]
     heads, head_dim = q_rows.shape[1], q_rows.shape[2]
+    kv_heads = k_cache.shape[1]
+    k_blocks = k_cache.view(-1, batch.block_size, kv_heads, head_dim)
+    v_blocks = v_cache.view(-1, batch.block_size, kv_heads, head_dim)
     out = None if batch.identity_output else q_rows.new_empty(batch.num_tokens, heads, head_dim)
     for g in batch.groups:
         q = q_rows[g.q_index].transpose(1, 2)  # [B, heads, Qmax, D]
-        k = k_cache[g.kv_slots].transpose(1, 2)  # [B, kv_heads, Lmax, D]
-        v = v_cache[g.kv_slots].transpose(1, 2)
+        b, nb = g.kv_blocks.shape
+        k = k_blocks[g.kv_blocks].view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
+        v = v_blocks[g.kv_blocks].view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
         res = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=g.mask, is_causal=g.mask is None and q.shape[2] > 1,
             scale=scaling, enable_gqa=True,
