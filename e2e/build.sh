@@ -7,7 +7,7 @@
 # Exit 3 (with a message) when no Go toolchain is installed, so callers can skip clearly.
 set -euo pipefail
 cd "$(dirname "$0")"
-BIN="$PWD/.bin"
+BIN="${MAGNITUDE_E2E_BIN:-$PWD/.bin}"
 mkdir -p "$BIN/logs"
 
 if ! command -v go >/dev/null 2>&1; then
