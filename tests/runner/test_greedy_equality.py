@@ -53,3 +53,16 @@ def test_preemption_by_swap(driver_factory, prompt_ids, hf_reference):
     preempt = [Preempt(4, "r5", "swap", resume_after=2), Preempt(6, "r3", "swap", resume_after=1)]
     driver_factory().run(seqs, MAX_NEW, preempt)
     assert [s.out for s in seqs] == hf_reference
+
+
+def test_context_length_buckets(driver_factory, prompt_ids, hf_reference, monkeypatch):
+    from magnitude.runner import attention
+
+    # Every prompt length here is under the default bucket floor; lower it so the step really
+    # splits into several decode and chunk groups of different padded lengths.
+    monkeypatch.setattr(attention, "BUCKET_MIN_LEN", 1)
+    slices = [attention.SeqSlice(0, 1, n - 1, []) for n in (3, 5, 7, 20, 100)]
+    assert [[s.start + s.n for s in b] for b in attention._buckets(slices)] == [[3, 5], [7], [20], [100]]
+    seqs = _seqs(prompt_ids)
+    driver_factory(chunk=24).run(seqs, MAX_NEW)
+    assert [s.out for s in seqs] == hf_reference

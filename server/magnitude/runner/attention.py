@@ -21,6 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTN_IMPLEMENTATION = "magnitude_paged"
+BUCKET_MIN_LEN = 128  # contexts shorter than this always share a bucket (padding them is cheap)
 
 
 @dataclass(slots=True)
@@ -106,8 +107,9 @@ def _group(seqs: list[SeqSlice], block_size: int, device: torch.device, total_to
     )
 
 
-def _buckets(seqs: list[SeqSlice], min_len: int = 128) -> list[list[SeqSlice]]:
-    """Split by context length so padding stays under 2x (contexts under `min_len` share one bucket)."""
+def _buckets(seqs: list[SeqSlice]) -> list[list[SeqSlice]]:
+    """Split by context length so padding stays under 2x (contexts under BUCKET_MIN_LEN share one)."""
+    min_len = BUCKET_MIN_LEN
     out: list[list[SeqSlice]] = []
     first = 0
     for s in sorted(seqs, key=lambda s: s.start + s.n):
