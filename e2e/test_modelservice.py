@@ -26,12 +26,15 @@ CHILD_KINDS = ("configmap", "deployment", "service", "poddisruptionbudget")
 
 
 # -- helpers ----------------------------------------------------------------------------
+CPU_EXAMPLE = REPO / "examples" / "cpu-smollm2.yaml"
+
+
 def cpu_example() -> Path:
-    for path in sorted((REPO / "examples").glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        if doc and doc.get("kind") == "ModelService" and not doc["spec"].get("resources", {}).get("gpus"):
-            return path
-    pytest.fail("no CPU ModelService example under examples/", pytrace=False)
+    """The CPU example, named: a picker over examples/ would take another CPU-only one
+    (autoscaling-shedding.yaml sorts first)."""
+    doc = yaml.safe_load(CPU_EXAMPLE.read_text())
+    assert doc["kind"] == "ModelService" and not doc["spec"].get("resources", {}).get("gpus"), CPU_EXAMPLE
+    return CPU_EXAMPLE
 
 
 def sim_service(name: str, **spec) -> dict:
