@@ -4,6 +4,10 @@ Owns the life of one throwaway cluster: certificates, kubeconfigs, free ports, a
 processes etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok (the fake
 node). `Cluster.start()` returns once the API server answers /readyz and the kwok node is
 Ready; `Cluster.stop()` ends every process group it started, bounded in time.
+`Cluster(api_only=True)` starts just etcd + kube-apiserver (the operator's own tests), and
+`audit=True` makes the API server log every request (`audit_events()`), so a test can read
+which verbs a client really used. `require_control_plane()` is the one skip-or-fail gate for
+suites that need these binaries: skip naming `make e2e-build`, but fail under CI=true.
 
 Command line (used by `e2e/up.sh` / `e2e/down.sh`):
     python e2e/cluster.py up [--state DIR]     # prints `export KUBECONFIG=...`
@@ -29,7 +33,11 @@ from pathlib import Path
 E2E = Path(__file__).resolve().parent
 BIN = Path(os.environ.get("MAGNITUDE_E2E_BIN", E2E / ".bin"))
 DEFAULT_STATE = E2E / ".state" / "cluster"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+API_BINARIES = ("etcd", "kube-apiserver")
+BINARIES = (*API_BINARIES, "kube-controller-manager", "kube-scheduler", "kwok")
+# Metadata of every request once answered: who, verb, resource/subresource, response code.
+AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+                "rules": [{"level": "Metadata"}]}
 # Pod IPs come from loopback so the harness can bind a real engine at each one:
 # the whole of 127.0.0.0/8 reaches `lo` on Linux without configuring anything.
 # Each run takes its own /24 (from its pid) so suites running side by side never share
@@ -45,8 +53,40 @@ class ClusterError(RuntimeError):
     """The control plane could not be built, started or reached."""
 
 
-def missing_binaries() -> list[str]:
-    return [name for name in BINARIES if not (BIN / name).is_file()]
+def missing_binaries(names: tuple[str, ...] = BINARIES) -> list[str]:
+    return [name for name in names if not (BIN / name).is_file()]
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def control_plane_missing(names: tuple[str, ...] = BINARIES, tools: tuple[str, ...] = ("kubectl", "openssl"),
+                          suite: str = "e2e") -> str | None:
+    """Why the control plane cannot run here (None: it can)."""
+    missing = missing_binaries(names)
+    if missing and shutil.which("go") is None:
+        return f"{suite} skipped: no Go toolchain to build the control plane ({', '.join(missing)} missing in {BIN})"
+    if missing:
+        return f"{suite} skipped: control-plane binaries not built ({', '.join(missing)}); run `make e2e-build`"
+    for tool in tools:
+        if shutil.which(tool) is None:
+            return f"{suite} skipped: {tool} not found on PATH"
+    return None
+
+
+def require_control_plane(names: tuple[str, ...] = BINARIES, tools: tuple[str, ...] = ("kubectl", "openssl"),
+                          suite: str = "e2e") -> None:
+    """Skip the calling pytest test/fixture when the control plane cannot run; under CI=true a
+    skip is a failure, so CI cannot go green without having run it."""
+    import pytest
+
+    reason = control_plane_missing(names, tools, suite)
+    if reason is None:
+        return
+    if in_ci():
+        pytest.fail(f"{reason} -- under CI=true a skipped {suite} suite is a failure", pytrace=False)
+    pytest.skip(reason)
 
 
 def free_port() -> int:
@@ -107,6 +147,18 @@ class Cluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     api_port: int = 0
     pod_cidr: str = field(default_factory=lambda: pod_cidr_for(os.getpid()))
+    api_only: bool = False  # etcd + kube-apiserver only: no controllers, scheduler or node
+    audit: bool = False
+
+    @property
+    def audit_log(self) -> Path:
+        return self.state / "logs" / "audit.jsonl"
+
+    def audit_events(self) -> list[dict]:
+        """Every request the API server has answered so far (needs audit=True)."""
+        if not self.audit_log.exists():
+            return []
+        return [json.loads(line) for line in self.audit_log.read_text().splitlines() if line.strip()]
 
     @property
     def kubeconfig(self) -> Path:
@@ -166,7 +218,7 @@ class Cluster:
 
     # -- life cycle -------------------------------------------------------------------
     def start(self, timeout: float = 120.0) -> "Cluster":
-        missing = missing_binaries()
+        missing = missing_binaries(API_BINARIES if self.api_only else BINARIES)
         if missing:
             raise ClusterError(f"missing binaries in {BIN}: {missing}; run `make e2e-build`")
         stop_recorded(self.state)
@@ -177,6 +229,12 @@ class Cluster:
         etcd_port, etcd_peer = free_port(), free_port()
         self.api_port = free_port()
         write_kubeconfig(self.kubeconfig, self.server, pki)
+        audit_flags: list[str] = []
+        if self.audit:
+            (self.state / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY))
+            audit_flags = [f"--audit-policy-file={self.state / 'audit-policy.json'}",
+                           f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
+                           "--audit-log-mode=blocking"]
         try:
             self._spawn("etcd", [
                 "--name=e2e", f"--data-dir={self.state / 'etcd'}",
@@ -198,9 +256,11 @@ class Cluster:
                 "--service-account-issuer=https://kubernetes.default.svc",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--authorization-mode=RBAC", "--allow-privileged=true",
-                "--endpoint-reconciler-type=none", "--v=1",
+                "--endpoint-reconciler-type=none", "--v=1", *audit_flags,
             ])
             self._wait("kube-apiserver", lambda: self._get("/readyz")[0] == 200, timeout)
+            if self.api_only:
+                return self
             common = [f"--kubeconfig={self.kubeconfig}", "--leader-elect=false", "--v=1"]
             self._spawn("kube-controller-manager", [
                 *common,

@@ -18,16 +18,12 @@ from typing import Any, Callable
 
 import pytest
 
-from cluster import BIN, Cluster, ClusterError, missing_binaries, processes_mentioning
+from cluster import BIN, Cluster, ClusterError, processes_mentioning, require_control_plane
 from kubelet import Kubelet
 
 E2E = Path(__file__).resolve().parent
 REPO = E2E.parent
 STATE = E2E / ".state"
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -36,27 +32,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
 
 
-def _require_control_plane() -> None:
-    missing = missing_binaries()
-    reason = None
-    if missing and shutil.which("go") is None:
-        reason = f"e2e skipped: no Go toolchain to build the control plane ({', '.join(missing)} missing in {BIN})"
-    elif missing:
-        reason = f"e2e skipped: control-plane binaries not built ({', '.join(missing)}); run `make e2e-build`"
-    elif shutil.which("kubectl") is None:
-        reason = "e2e skipped: kubectl not found on PATH"
-    elif shutil.which("openssl") is None:
-        reason = "e2e skipped: openssl not found on PATH"
-    if reason is None:
-        return
-    if _in_ci():
-        pytest.fail(f"{reason} -- under CI=true a skipped e2e suite is a failure", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
-    _require_control_plane()
+    require_control_plane()
     c = Cluster(state=STATE / f"cluster-{os.getpid()}")
     try:
         c.start()
@@ -156,8 +134,11 @@ def crd(kube: Kube) -> dict:
 
 
 def _helm() -> str | None:
-    return shutil.which("helm") or next(
-        (str(p) for p in (Path.home() / "go" / "bin" / "helm",) if p.is_file()), None)
+    """helm as `make e2e-build` builds it (e2e/.bin), else on PATH or in ~/go/bin."""
+    for candidate in (BIN / "helm", shutil.which("helm"), Path.home() / "go" / "bin" / "helm"):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    return None
 
 
 def chart_objects() -> list[dict]:
