@@ -173,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
     p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-runner"))
-    p.add_argument("--chunk", type=int, default=64, help="Magnitude prefillChunkSize (see `magnitude profile`)")
-    p.add_argument("--token-budget", type=int, default=128, help="Magnitude tokenBudget per step")
+    # Derived here by `magnitude profile --itl-target 300ms` (8 decodes): 52 tokens; 48 keeps a
+    # margin. The budget caps a step's tokens, so chats' prefills share it with the long chunk.
+    p.add_argument("--chunk", type=int, default=48, help="Magnitude prefillChunkSize (see `magnitude profile`)")
+    p.add_argument("--token-budget", type=int, default=64, help="Magnitude tokenBudget per step")
     p.add_argument("--traces", default="mixed,long")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
