@@ -107,11 +107,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.prompt_token_ids is None:
             return
         rid = request.request_id
+        done = self._num_hashed.get(rid, 0)
+        full = request.num_computed_tokens // self.block_size
+        if full <= done:  # the common decode step: no block became full
+            return
         table = self.tables.get(rid)
         if table is None:
             return
-        done = self._num_hashed.get(rid, 0)
-        full = min(request.num_computed_tokens // self.block_size, len(table))
+        full = min(full, len(table))
         if full <= done:
             return
         bs = self.block_size

@@ -243,10 +243,13 @@ class Scheduler:
         resident requests still behind (partial prefills, recompute catch-up)."""
         partials: list[Request] = []
         running = RequestStatus.RUNNING
+        bs = self.block_size
+        scheduled, tenant_tokens = step.scheduled, step.tenant_tokens
         for req in list(self.running.values()):
             if req.status is not running:
                 continue  # preempted earlier in this loop
-            if req.num_tokens - req.num_computed_tokens > 1:
+            computed = req.num_computed_tokens
+            if req.num_prompt_tokens + len(req.output_token_ids) - computed > 1:
                 partials.append(req)
                 continue
             k = 0
@@ -255,14 +258,15 @@ class Scheduler:
             if step.budget < 1 + k:
                 self._defer(req, "token_budget", now)
                 break
-            if not self._allocate(step, req, req.num_computed_tokens + 1 + k, now):
+            # Fast path: most decodes still have room in their last block.
+            if len(req.block_ids) * bs < computed + 1 + k and not self._allocate(step, req, computed + 1 + k, now):
                 continue  # the request itself was the victim
             rid = req.request_id
-            step.scheduled[rid] = 1
+            scheduled[rid] = 1
             if k:
                 step.lookahead[rid] = k
             step.budget -= 1 + k
-            step.tenant_tokens[req.tenant] = step.tenant_tokens.get(req.tenant, 0) + 1 + k
+            tenant_tokens[req.tenant] = tenant_tokens.get(req.tenant, 0) + 1 + k
         return partials
 
     def _schedule_partial_prefills(self, step: _Step, partials: list[Request], now: float) -> None:
@@ -517,11 +521,12 @@ class Scheduler:
         return updates
 
     def _append_tokens(self, req: Request, sampled: list, new: list[int], now: float) -> str | None:
-        stop_ids = req.sampling.stop_token_ids
-        eos = () if req.sampling.ignore_eos else req.eos_token_ids
+        sp = req.sampling
+        stop_ids = sp.stop_token_ids
+        eos = req.eos_token_ids if not sp.ignore_eos else ()
         for tok in sampled:
             token_id = tok.token_id
-            if token_id in eos or token_id in stop_ids:
+            if (eos and token_id in eos) or (stop_ids and token_id in stop_ids):
                 return "stop"
             req.output_token_ids.append(token_id)
             req.token_times.append(now)
