@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the e2e control plane from Go modules into e2e/.bin/ (ignored by git):
-# etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok.
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok, plus helm (for the
+# chart tests: `helm lint` / `helm template`).
 # Versions are pinned by the small modules under e2e/go/ (go.mod + go.sum).
 # A binary is rebuilt only when its module's go.mod/go.sum change (stamp file); Go's own
 # caches (~/.cache/go-build, ~/go/pkg/mod) make a rebuild after a version bump incremental.
@@ -47,3 +48,21 @@ for target in "${TARGETS[@]}"; do
   echo "$want" >"$stamp"
   echo "e2e/build.sh: built $name in $(( $(date +%s) - start ))s" | tee -a "$BIN/logs/build-times.log"
 done
+
+# helm: a released version straight from the Go module proxy (its own go.sum pins it).
+HELM_VERSION="v3.16.4"
+if [[ -x "$BIN/helm" && -f "$BIN/.helm.stamp" && "$(cat "$BIN/.helm.stamp")" == "$HELM_VERSION" ]]; then
+  echo "e2e/build.sh: helm up to date"
+else
+  echo "e2e/build.sh: building helm $HELM_VERSION ..."
+  start=$(date +%s)
+  if ! GOBIN="$BIN" GOFLAGS="-trimpath -buildvcs=false" nice -n 10 \
+      go install -ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+      "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >"$BIN/logs/build-helm.log" 2>&1; then
+    echo "e2e/build.sh: building helm failed; see $BIN/logs/build-helm.log" >&2
+    tail -20 "$BIN/logs/build-helm.log" >&2
+    exit 1
+  fi
+  echo "$HELM_VERSION" >"$BIN/.helm.stamp"
+  echo "e2e/build.sh: built helm in $(( $(date +%s) - start ))s" | tee -a "$BIN/logs/build-times.log"
+fi
