@@ -44,12 +44,17 @@ class CostModel(Protocol):
 
     def step_seconds(self, plan: StepPlan) -> float: ...
 
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float: ...
+
 
 @dataclass(frozen=True)
 class UnitCost:
     name: str = "unit"
 
     def step_seconds(self, plan: StepPlan) -> float:
+        return 1.0
+
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float:
         return 1.0
 
 
@@ -62,9 +67,12 @@ class LinearCost:
     block_size: int = 16
     name: str = "linear"
 
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float:
+        return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_seq * decodes
+                + self.per_swap_token * swapped_tokens)
+
     def step_seconds(self, plan: StepPlan) -> float:
-        d, p, w = plan_shape(plan, self.block_size)
-        return self.base + self.per_prefill_token * p + self.per_decode_seq * d + self.per_swap_token * w
+        return self.seconds_for(*plan_shape(plan, self.block_size))
 
 
 def _interp(xs: list[float], x: float) -> tuple[int, float]:
@@ -103,9 +111,27 @@ class TableCost:
         v = row(i) if len(s) == 1 else (1 - wi) * row(i) + wi * row(i + 1)
         return max(v, 1e-6)
 
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float:
+        return self._at(decodes, prefill_tokens) + self.per_swap_token * swapped_tokens
+
     def step_seconds(self, plan: StepPlan) -> float:
-        d, p, w = plan_shape(plan, self.block_size)
-        return self._at(d, p) + self.per_swap_token * w
+        return self.seconds_for(*plan_shape(plan, self.block_size))
+
+
+def derive_chunk_size(cost: CostModel, itl_target_s: float, decode_batch: int, token_budget: int) -> int:
+    """The largest prefill chunk that keeps a step with `decode_batch` decodes within the
+    inter-token latency target (at least 1, at most the budget left after the decodes)."""
+    hi = max(1, token_budget - decode_batch)
+    if cost.seconds_for(decode_batch, hi) <= itl_target_s:
+        return hi
+    lo = 1
+    while lo < hi:  # cost is non-decreasing in prefill tokens
+        mid = (lo + hi + 1) // 2
+        if cost.seconds_for(decode_batch, mid) <= itl_target_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def load_cost_model(spec: str, block_size: int = 16) -> CostModel:

@@ -17,7 +17,7 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
-from magnitude.sim.cost import CostModel
+from magnitude.sim.cost import CostModel, derive_chunk_size
 from magnitude.sim.trace import TraceError, TraceRecord
 
 DEFAULT_SIM_BLOCKS = 2048  # when kvCache.numBlocks is null (the engine sizes it from memory)
@@ -61,12 +61,20 @@ class CostModelRunner:
         return RunnerOutput(sampled=sampled, duration_s=self.cost_model.step_seconds(plan))
 
 
-def resolve_sim_config(config: EngineConfig) -> EngineConfig:
-    """The simulator needs a concrete cache size: fill kvCache.numBlocks when it is null."""
-    if config.kv_cache.num_blocks is not None:
+def resolve_sim_config(config: EngineConfig, cost_model: CostModel) -> EngineConfig:
+    """Fill what the engine would measure: kvCache.numBlocks when null, and prefillChunkSize when
+    null with an itlTargetMs (derived from the cost model at a full decode batch)."""
+    sp = config.scheduler
+    derive = sp.prefill_chunk_size is None and sp.itl_target_ms is not None
+    if config.kv_cache.num_blocks is not None and not derive:
         return config
     doc = config.to_document()
-    doc["kvCache"]["numBlocks"] = DEFAULT_SIM_BLOCKS
+    if config.kv_cache.num_blocks is None:
+        doc["kvCache"]["numBlocks"] = DEFAULT_SIM_BLOCKS
+    if derive:
+        doc["scheduler"]["prefillChunkSize"] = derive_chunk_size(
+            cost_model, sp.itl_target_ms / 1000.0, sp.max_sequences, sp.token_budget
+        )
     return EngineConfig.model_validate(doc)
 
 
@@ -95,7 +103,7 @@ def check_trace(records: list[TraceRecord], config: EngineConfig, source: str = 
 
 
 def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostModel, keep_events: bool = True) -> SimResult:
-    config = resolve_sim_config(config)
+    config = resolve_sim_config(config, cost_model)
     check_trace(records, config)
     sched = Scheduler(config)
     runner = CostModelRunner(cost_model)
