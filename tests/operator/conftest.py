@@ -1,12 +1,18 @@
-"""Fixtures for the operator tests; the helpers themselves live in `opkit`."""
+"""Fixtures for the operator tests; the helpers themselves live in `opkit`.
+
+`apiserver` is one real etcd + kube-apiserver for the session (skipped, naming
+`make e2e-build`, when the binaries are not built; a failure under CI=true); `api` gives each
+test its own namespace on it."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+import shutil
+from typing import Any, Callable, Iterator
 
 import pytest
 
-from opkit import FakeApiServer, load_crd, validate
+from opkit import ROOT, ApiServer, Env, load_crd, validate
 
 
 @pytest.fixture
@@ -15,6 +21,18 @@ def crd_validate() -> Callable[[dict[str, Any]], tuple[dict[str, Any], list[str]
     return lambda obj: validate(obj, crd)
 
 
+@pytest.fixture(scope="session")
+def apiserver() -> Iterator[ApiServer]:
+    state = ROOT / "e2e" / ".state" / f"operator-api-{os.getpid()}"
+    server = ApiServer.start(state)
+    yield server
+    leaked = server.stop()
+    if leaked:
+        pytest.fail(f"processes left running after teardown: {leaked}", pytrace=False)
+    if not os.environ.get("E2E_KEEP_STATE"):
+        shutil.rmtree(state, ignore_errors=True)
+
+
 @pytest.fixture
-def api() -> FakeApiServer:
-    return FakeApiServer()
+def api(apiserver: ApiServer) -> Env:
+    return Env(apiserver)
