@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from opkit import ROOT, ApiServer, Env, load_crd, validate
+from opkit import ROOT, SERVICE_MONITOR_CRD, ApiServer, Env, load_crd, validate
 
 
 @pytest.fixture
@@ -36,3 +36,12 @@ def apiserver() -> Iterator[ApiServer]:
 @pytest.fixture
 def api(apiserver: ApiServer) -> Env:
     return Env(apiserver)
+
+
+@pytest.fixture
+def service_monitors(apiserver: ApiServer) -> Iterator[None]:
+    """The ServiceMonitor kind served for the length of one test (removed after: the other tests
+    expect a cluster without it)."""
+    apiserver.install_crd(SERVICE_MONITOR_CRD)
+    yield
+    apiserver.delete_crd(SERVICE_MONITOR_CRD["metadata"]["name"])

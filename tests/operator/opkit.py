@@ -218,7 +218,7 @@ class ApiServer:
     def audit(self, namespace: str) -> list[dict[str, Any]]:
         """The API server's record of what the operator's account did in `namespace`."""
         return [e for e in self.cluster.audit_events() if e.get("user", {}).get("username") == SA_USER
-                and e.get("objectRef", {}).get("namespace") == namespace and e.get("stage") != "ResponseStarted"]
+                and e.get("objectRef", {}).get("namespace") == namespace]
 
 
 def used_permissions(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
@@ -233,6 +233,18 @@ def used_permissions(events: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
             used.add((ref.get("apiGroup", ""), resource, "create"))
     return used
 
+
+# The Prometheus Operator's CRD, reduced to what the API server needs to serve the kind: the
+# operator only writes ServiceMonitors; the Prometheus Operator (not run here) reads them.
+SERVICE_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+             "names": {"plural": "servicemonitors", "singular": "servicemonitor", "kind": "ServiceMonitor",
+                       "listKind": "ServiceMonitorList"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                 "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+}
 
 _namespaces = itertools.count()
 

@@ -22,28 +22,6 @@ from magnitude.operator.reconcile import SpecInvalid, parse_status, reconcile
 from opkit import NAME, ApiServer, Env
 
 CHILDREN = ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service"]
-# The Prometheus Operator's CRD, reduced to what the API server needs to serve the kind: we
-# only create ServiceMonitors, the Prometheus Operator is what reads them.
-SERVICE_MONITOR_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
-    "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
-             "names": {"plural": "servicemonitors", "singular": "servicemonitor", "kind": "ServiceMonitor",
-                       "listKind": "ServiceMonitorList"},
-             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
-                 "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
-}
-
-
-@pytest.fixture
-def service_monitors(apiserver: ApiServer):
-    """The ServiceMonitor kind served for the length of one test (removed after: other tests
-    expect a cluster without it)."""
-    apiserver.install_crd(SERVICE_MONITOR_CRD)
-    yield
-    apiserver.delete_crd(SERVICE_MONITOR_CRD["metadata"]["name"])
-
-
 def reasons(api: Env) -> list[tuple[str, str]]:
     return [(e["type"], e["reason"]) for e in api.events()]
 
