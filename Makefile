@@ -30,8 +30,8 @@ test: setup e2e-build
 test-fast: setup
 	$(PY) -m pytest -q -m 'not model and not e2e'
 
-# Builds the control plane from Go modules into e2e/.bin (cached). Exit 3 from build.sh means
-# "no Go toolchain": the suite then skips with that message, or fails when CI=true.
+# Builds the control plane and helm from Go modules into e2e/.bin (cached). Exit 3 from build.sh
+# means "no Go toolchain": the suites then skip with that message, or fail when CI=true.
 e2e-build:
 	bash e2e/build.sh || test $$? -eq 3
 
