@@ -200,3 +200,15 @@ def test_plan_puts_decodes_first() -> None:
     s.add_request(make_request("b", 12, 5), 1)
     plan, _ = step(s, 1)
     assert shape(plan) == [("a", 1, True), ("b", 8, False)]
+
+
+def test_stats_are_snapshots_with_counters() -> None:
+    s = make_scheduler("kvCache.numBlocks=64", "kvCache.blockSize=4")
+    s.add_request(make_request("a", 8, 2), 0)
+    before = s.stats()
+    step(s, 0)
+    step(s, 1)
+    after = s.stats()
+    assert (before.waiting, before.running, before.finished) == (1, 0, {})
+    assert after.finished == {"finished": 1} and after.generation_tokens_total == 2
+    assert after.prompt_tokens_total == 8 and after.kv_used_blocks == 0 and after.kv_total_blocks == 64

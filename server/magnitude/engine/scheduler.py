@@ -25,7 +25,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from magnitude.engine.admission import AdmissionDecision, QueueView, check_admission
 from magnitude.engine.events import EventKind, SchedulerEvent
@@ -569,7 +569,8 @@ class Scheduler:
         s.step_seconds = self._step_seconds
         s.prefix_cache_queries = self.kv.prefix_queries
         s.prefix_cache_hits = self.kv.prefix_hits
-        return s
+        # A snapshot: callers may keep it and compare it with the next one.
+        return replace(s, preemptions=dict(s.preemptions), rejections=dict(s.rejections), finished=dict(s.finished))
 
     def _defer(self, req: Request, reason: str, now: float) -> None:
         # One event per change of reason, not one per step: a long queue stays cheap.
