@@ -169,3 +169,12 @@ def test_simulate_never_imports_torch_or_servers(tmp_path) -> None:
     env = {"PYTHONPATH": f"{root / 'server'}:{root / 'operator'}", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", code, str(trace)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_command_whose_module_is_missing_fails_alone(monkeypatch, capsys) -> None:
+    from magnitude.cli import main as cli_main
+
+    monkeypatch.setitem(cli_main.COMMANDS, "ghost", ("magnitude.cli.no_such_module", "not installed"))
+    assert main(["ghost"]) == 2
+    assert "cannot run `ghost`" in capsys.readouterr().err
+    assert main(["trace", "burst", "--n", "2"]) == 0  # the others still work
