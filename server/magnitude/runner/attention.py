@@ -167,16 +167,18 @@ def paged_attention_forward(
 
     layer = module.layer_idx
     k_cache, v_cache = batch.k_layers[layer], batch.v_layers[layer]
-    # Write first: a sequence's new tokens attend to themselves through the cache.
-    k_cache.index_copy_(0, batch.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, batch.slot_mapping, value[0].transpose(0, 1))
+    out_dtype = query.dtype
+    # Write first: a sequence's new tokens attend to themselves through the cache. The cache may be
+    # wider than the model (fp32 cache for a bf16 model on CPU): attention then runs in its dtype.
+    k_cache.index_copy_(0, batch.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, batch.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
-    q_rows = query[0].transpose(0, 1)  # [T, heads, head_dim]
+    q_rows = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, heads, head_dim]
     heads, head_dim = q_rows.shape[1], q_rows.shape[2]
     kv_heads = k_cache.shape[1]
     k_blocks = k_cache.view(-1, batch.block_size, kv_heads, head_dim)
     v_blocks = v_cache.view(-1, batch.block_size, kv_heads, head_dim)
-    out = None if batch.identity_output else q_rows.new_empty(batch.num_tokens, heads, head_dim)
+    out = None if batch.identity_output else query.new_empty(batch.num_tokens, heads, head_dim)
     for g in batch.groups:
         q = q_rows[g.q_index].transpose(1, 2)  # [B, heads, Qmax, D]
         b, nb = g.kv_blocks.shape
@@ -186,7 +188,7 @@ def paged_attention_forward(
             q, k, v, attn_mask=g.mask, is_causal=g.mask is None and q.shape[2] > 1,
             scale=scaling, enable_gqa=True,
         )
-        res = res.transpose(1, 2)  # [B, Qmax, heads, D]
+        res = res.transpose(1, 2).to(out_dtype)  # [B, Qmax, heads, D]
         if out is None:
             return res, None
         flat = res.reshape(-1, heads, head_dim)
