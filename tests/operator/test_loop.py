@@ -129,6 +129,8 @@ def test_busy_pods_scale_up_then_at_max_shed_the_lowest_class(api: Env, apiserve
         if load is not None:
             load.stop()
         kubelet.stop()
+    leaked = e2e_module("cluster").processes_mentioning(tmp_path)  # engines run with their files in tmp_path
+    assert leaked == [], f"engine processes left running: {leaked}"
     reasons = {e["reason"] for e in api.events()}
     assert {"ScaledUp", "SheddingStarted", "AtMaxReplicas"} <= reasons, reasons
     observed = api.status()["load"]
