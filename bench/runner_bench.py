@@ -5,7 +5,8 @@
         [--chunk N | --itl-target 300ms] [--scale 1.0]
 
 Systems (started one at a time on 127.0.0.1, killed after their traces):
-- magnitude: `magnitude serve` with the real ModelRunner (paged KV, mixed prefill/decode steps);
+- magnitude: `magnitude serve` with the real ModelRunner (paged KV, mixed prefill/decode steps), fp32;
+- magnitude-bf16: the same with bf16 weights (`--dtype bfloat16`; KV cache and attention stay fp32);
 - hf: bench/hf_static_server.py, stock `generate` on padded groups of 8 (static batching);
 - llama: llama.cpp's own `llama-server`, 8 parallel slots, continuous batching, the same GGUF.
 Client: bench/loadgen.py (token-id prompts of exact length, `ignore_eos`, exact output lengths).
@@ -52,11 +53,14 @@ def mixed_trace(seed: int = 0, n: int = 24) -> list[TraceRecord]:
 
 def long_trace(seed: int = 0, long_tokens: int = 1500) -> list[TraceRecord]:
     rng = random.Random(seed)
+    # Priority classes are sent by the client as the `priority_class` extension; servers without
+    # priorities (llama-server, HF) ignore them.
     recs = [TraceRecord(id=f"chat-{i}", arrival=round(0.1 * i, 3), prompt_tokens=rng.randint(20, 60),
-                        output_tokens=48, tenant="chat") for i in range(4)]
-    recs.append(TraceRecord(id="long", arrival=1.0, prompt_tokens=long_tokens, output_tokens=32, tenant="long"))
+                        output_tokens=48, tenant="chat", priority_class="interactive") for i in range(4)]
+    recs.append(TraceRecord(id="long", arrival=1.0, prompt_tokens=long_tokens, output_tokens=32, tenant="long",
+                            priority_class="batch"))
     recs += [TraceRecord(id=f"chat-{i}", arrival=round(1.5 + 0.5 * (i - 4), 3), prompt_tokens=rng.randint(20, 60),
-                         output_tokens=48, tenant="chat") for i in range(4, 12)]
+                         output_tokens=48, tenant="chat", priority_class="interactive") for i in range(4, 12)]
     return sorted(recs, key=lambda r: r.arrival)
 
 
@@ -85,10 +89,13 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
 
 
 def server_command(system: str, port: int, args: argparse.Namespace, gguf: Path) -> list[str]:
-    if system == "magnitude":
-        sets = [f"scheduler.prefillChunkSize={args.chunk}", f"scheduler.tokenBudget={args.token_budget}",
+    if system in ("magnitude", "magnitude-bf16"):
+        bf16 = system == "magnitude-bf16"
+        chunk, budget = (args.bf16_chunk, args.bf16_token_budget) if bf16 else (args.chunk, args.token_budget)
+        sets = [f"scheduler.prefillChunkSize={chunk}", f"scheduler.tokenBudget={budget}",
                 "scheduler.maxSequences=32", "kvCache.numBlocks=1024", "admission.maxQueueWaitSeconds=600"]
-        cmd = [PY, "-m", "magnitude.cli.main", "serve", "--port", str(port), "--log-level", "warning"]
+        cmd = [PY, "-m", "magnitude.cli.main", "serve", "--port", str(port), "--log-level", "warning",
+               "--dtype", "bfloat16" if bf16 else "float32"]
         for s in sets:
             cmd += ["--set", s]
         return cmd
@@ -156,20 +163,22 @@ def print_table(all_results: dict) -> None:
             "chat_ttft_p50", "chat_longest_stall", "long_ttft"]
     for trace in ("mixed", "long"):
         print(f"\n== trace {trace} ==")
-        print(f"{'metric':20}" + "".join(f"{s:>12}" for s in all_results) + "   ratio magnitude/llama, magnitude/hf")
+        mags = [s for s in all_results if s.startswith("magnitude")]
+        print(f"{'metric':20}" + "".join(f"{s:>15}" for s in all_results) + "   ratios: "
+              + ", ".join(f"{m}/{b}" for m in mags for b in ("llama", "hf")))
         for k in keys:
             vals = {s: all_results[s].get(trace, {}).get(k) for s in all_results}
             if all(v is None for v in vals.values()):
                 continue
-            row = f"{k:20}" + "".join(f"{(v if v is not None else float('nan')):12.3f}" for v in vals.values())
-            m, l, h = vals.get("magnitude"), vals.get("llama"), vals.get("hf")
-            ratios = [f"{m / x:.2f}x" if m is not None and x else "-" for x in (l, h)]
+            row = f"{k:20}" + "".join(f"{(v if v is not None else float('nan')):15.3f}" for v in vals.values())
+            ratios = [f"{vals[m] / vals[b]:.2f}x" if vals.get(m) is not None and vals.get(b) else "-"
+                      for m in mags for b in ("llama", "hf")]
             print(row + "   " + ", ".join(ratios))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="magnitude,hf,llama")
+    p.add_argument("--systems", default="magnitude,magnitude-bf16,hf,llama")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
     p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-runner"))
@@ -177,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     # margin. The budget caps a step's tokens, so chats' prefills share it with the long chunk.
     p.add_argument("--chunk", type=int, default=48, help="Magnitude prefillChunkSize (see `magnitude profile`)")
     p.add_argument("--token-budget", type=int, default=64, help="Magnitude tokenBudget per step")
+    # bf16 weights (fp32 KV/attention): `magnitude profile --dtype bfloat16 --itl-target 300ms` gave
+    # 215 tokens at 8 decodes (context 256) and ~110 at 16; a chunk deep in a 1,500-token prompt
+    # attends to more, so 64 (budget 96 with up to 12 decodes and the chats' prompts).
+    p.add_argument("--bf16-chunk", type=int, default=64)
+    p.add_argument("--bf16-token-budget", type=int, default=96)
     p.add_argument("--traces", default="mixed,long")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
