@@ -146,10 +146,6 @@ def test_autoscaler_scale_down_ranks_pods_then_scales_with_events(api: Env, apis
     assert api.cond("Scaling")["reason"] == a.SCALED_DOWN
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "operator bug shown by the real API server: the Secret is created by POST (a field manager with "
-    "operation Update), so server-side apply cannot drop its old ownerReference: 422 'Only one reference "
-    "can have Controller set to true', Degraded=ApplyFailed. The in-memory fake replaced the list."))
 def test_leftover_admin_secret_is_adopted_with_its_token(api: Env) -> None:
     """A ModelService deleted and re-created under the same name may find the old Secret still
     there (the garbage collector is asynchronous): it is re-owned, and its token kept."""

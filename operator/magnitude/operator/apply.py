@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from magnitude.operator import naming as n
-from magnitude.operator.plan import Apply, ChildKey, Create, Plan
+from magnitude.operator.plan import Adopt, Apply, ChildKey, Create, Plan
 from magnitude.operator.spec import API_VERSION, GROUP, KIND, PLURAL
 
 # (apiVersion, kind) -> plural resource name, for every kind the operator touches.
@@ -193,6 +193,12 @@ class Kube:
                 return None
             raise
 
+    def adopt(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        self._call("patch", obj["apiVersion"], RESOURCES[(obj["apiVersion"], obj["kind"])], meta["namespace"],
+                   meta["name"], body={"metadata": {"ownerReferences": meta["ownerReferences"]}},
+                   content_type="application/merge-patch+json")
+
     def execute(self, the_plan: Plan) -> dict[ChildKey, dict[str, Any]]:
         """Run the plan's actions in order; returns the objects the server sent back."""
         written: dict[ChildKey, dict[str, Any]] = {}
@@ -201,6 +207,8 @@ class Kube:
                 written[(action.obj["kind"], action.obj["metadata"]["name"])] = self.apply(action.obj)
             elif isinstance(action, Create):
                 self.create(action.obj)
+            elif isinstance(action, Adopt):
+                self.adopt(action.obj)
         return written
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

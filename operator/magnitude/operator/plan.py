@@ -30,7 +30,16 @@ class Create:
     obj: dict[str, Any]
 
 
-Action = Apply | Create
+@dataclass(frozen=True)
+class Adopt:
+    """Point an existing child's ownerReferences at this owner and change nothing else. A merge patch
+    replaces the list whole, which server-side apply cannot do for references another manager wrote;
+    a Secret left by a deleted ModelService of the same name so keeps the token its engines hold."""
+
+    obj: dict[str, Any]
+
+
+Action = Apply | Create | Adopt
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,10 @@ def _essence(obj: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in obj.items() if k not in ("metadata", "status")}, "metadata": kept}
 
 
+def _owner_uids(obj: dict[str, Any]) -> list[str]:
+    return [ref.get("uid", "") for ref in obj["metadata"].get("ownerReferences") or []]
+
+
 def _template_version(dep: dict[str, Any] | None) -> str | None:
     if dep is None:
         return None
@@ -76,10 +89,14 @@ def _template_version(dep: dict[str, Any] | None) -> str | None:
 
 def plan(desired: list[dict[str, Any]], observed: dict[ChildKey, dict[str, Any] | None],
          secret: dict[str, Any] | None = None) -> Plan:
-    """Actions turning `observed` into `desired`; `secret` is created when absent."""
+    """Actions turning `observed` into `desired`; `secret` is created when absent, adopted when owned by another."""
     actions: list[Action] = []
-    if secret is not None and observed.get(key(secret)) is None:
-        actions.append(Create(secret))
+    if secret is not None:
+        have_secret = observed.get(key(secret))
+        if have_secret is None:
+            actions.append(Create(secret))
+        elif _owner_uids(have_secret) != _owner_uids(secret):
+            actions.append(Adopt(secret))
     rollout = replicas = None
     for obj in desired:
         have = observed.get(key(obj))

@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from magnitude.operator import autoscaler as a
 from magnitude.operator import naming as n
 from magnitude.operator import status as st
-from magnitude.operator.apply import ApiError, Kube, new_admin_token, secret_token
+from magnitude.operator.apply import ApiError, Kube, new_admin_token
 from magnitude.operator.desired import Owner, build_admin_secret, build_all, desired_replicas
-from magnitude.operator.plan import Apply, Plan, key, plan
+from magnitude.operator.plan import Apply, Plan, plan
 from magnitude.operator.servicever import service_version
 from magnitude.operator.spec import ModelServiceSpec, ModelServiceStatus
 from magnitude.operator.validation import unsupported
@@ -124,22 +124,15 @@ def reconcile(kube: Kube, body: dict[str, Any], decision: a.Decision | None = No
     desired = build_all(owner, spec, replicas, service_monitor=kube.has_service_monitors())
     fresh_secret = build_admin_secret(owner, new_admin_token())
     observed = kube.observe(desired + [fresh_secret])
-    existing = observed.get(key(fresh_secret))
     the_plan, apply_error, written = Plan(), None, {}
     if not problems:  # refused specs leave what runs untouched
-        if existing is not None:
-            # Keep the token the running engines hold, but (re)own the Secret: one left over from a
-            # deleted ModelService of the same name would otherwise be garbage-collected under us.
-            desired = [build_admin_secret(owner, secret_token(existing))] + desired
-            the_plan = plan(desired, observed)
-        else:
-            the_plan = plan(desired, observed, fresh_secret)
+        the_plan = plan(desired, observed, fresh_secret)
         if decision is not None and decision.deletion_costs and the_plan.replicas:
             kube.set_deletion_costs(owner.namespace, decision.deletion_costs)  # before the ReplicaSet picks victims
         for action in the_plan.actions:
             obj = action.obj
             log.info("%s/%s: %s %s/%s", owner.namespace, owner.name,
-                     getattr(action, "reason", "create-once"), obj["kind"], obj["metadata"]["name"])
+                     getattr(action, "reason", type(action).__name__.lower()), obj["kind"], obj["metadata"]["name"])
         try:
             written = kube.execute(the_plan)
         except ApiError as e:
