@@ -1,8 +1,6 @@
 """Tells engine pods which priority classes to shed: `POST /admin/shedding` with the shared token.
 
-Body `{"enabled": bool, "classes": [...]}` (docs/operator.md). An engine that predates the
-`classes` field answers 422; it is then sent the equivalent `{"enabled", "levels"}` (the count of
-least-important classes), which names the same classes when both sides use the same shed order.
+Body `{"enabled": bool, "classes": [...]}` (docs/operator.md).
 """
 
 from __future__ import annotations
@@ -18,12 +16,6 @@ async def set_shedding(client: httpx.AsyncClient, base_url: str, token: str, cla
     body: dict[str, object] = {"enabled": bool(classes), "classes": list(classes)}
     try:
         resp = await client.post(f"{base_url}/admin/shedding", json=body, headers=headers, timeout=TIMEOUT_SECONDS)
-        if resp.status_code == 422:
-            legacy: dict[str, object] = {"enabled": bool(classes)}
-            if classes:
-                legacy["levels"] = len(classes)
-            resp = await client.post(f"{base_url}/admin/shedding", json=legacy, headers=headers,
-                                     timeout=TIMEOUT_SECONDS)
         return resp.status_code == 200
     except httpx.HTTPError:
         return False
