@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, event, given, settings
+import pytest
+from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 from magnitude.engine.output import RunnerOutput, SampledToken
@@ -89,6 +90,14 @@ def check_sharing(s: Scheduler, reqs: dict[str, Request]) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs(), specs=request_specs, eos_every=st.integers(0, 9), fail_every=st.integers(0, 15))
 def test_scheduler_invariants_hold_on_random_traces(config, specs, eos_every, fail_every) -> None:
+    run_and_check(config, specs, eos_every, fail_every)
+
+
+@pytest.mark.timeout(120, method="thread")  # a hang kills the run: a failure, not a stall
+@seed(3)  # this seed (6 and 7 too) found an endless admit/preempt cycle between fair-share and victim order
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@given(config=configs(), specs=request_specs, eos_every=st.integers(0, 9), fail_every=st.integers(0, 15))
+def test_no_admit_preempt_cycle_regression(config, specs, eos_every, fail_every) -> None:
     run_and_check(config, specs, eos_every, fail_every)
 
 

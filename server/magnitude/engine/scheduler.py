@@ -54,6 +54,7 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens (without lookahead)
     lookahead: dict[str, int] = field(default_factory=dict)
     tenant_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)  # ids preempted this step: not re-admitted in it
 
 
 class Scheduler:
@@ -311,7 +312,9 @@ class Scheduler:
         queue = self.queue
         while step.budget > 0 and len(self.running) < self.max_sequences:
             req = queue.peek(now, excluded, self._tenant_order)
-            if req is None:
+            # A request preempted in this step waits for the next: tenant fair-share order can differ
+            # from the victim order, and re-admitting a victim here would preempt it again, forever.
+            if req is None or req.request_id in step.preempted:
                 return
             tenant = req.tenant
             max_running, _, _ = self._caps(tenant)
@@ -413,6 +416,7 @@ class Scheduler:
 
     def _record_preempt(self, step: _Step, req: Request, mode: str, reason: str, now: float) -> None:
         step.plan.preempted.append((req.request_id, mode, reason))
+        step.preempted.add(req.request_id)
         self._count(self._stats.preemptions, (mode, reason))
         self._event(now, "preempt", req.request_id, reason, mode=mode)
 
