@@ -27,6 +27,7 @@ def engine(running: int, waiting: int, used: int, total: int = 100) -> EngineMet
 
 
 def queue(m: EngineMetrics, seconds: float, cls: str = "standard", tenant: str = "t1") -> None:
+    m.observe_queue_time(cls, tenant, seconds)
     m.observe_request(RequestRecord(priority_class=cls, tenant=tenant, status="finished", arrival=0.0,
                                     admitted=seconds, first_token=seconds + 0.1, finished=seconds + 0.2))
 

@@ -200,3 +200,20 @@ def test_oversized_body_is_413_not_buffered() -> None:
         assert r.status_code == 413
         ok = {"model": "simulated", "messages": [{"role": "user", "content": "ok"}], "max_tokens": 2}
         assert httpx.post(s.v1 + "/chat/completions", json=ok).status_code == 200
+
+
+def test_queue_time_is_observed_at_admission_once_not_at_the_end() -> None:
+    config = sim_config()
+    with serve(simulated(config, cost=lambda plan: 0.02), config) as s:
+        body = {"model": "simulated", "messages": [{"role": "user", "content": "a"}], "max_tokens": 60, "stream": True}
+        with httpx.stream("POST", s.v1 + "/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if '"content"' in line)  # generating now, ~1 s to go
+            assert s.metric("magnitude_requests_finished_total", priority_class="standard") == 0
+            assert s.metric("magnitude_queue_time_seconds_count", priority_class="standard") == 1
+            # TTFT is still observed when the request ends (unchanged)
+            assert s.metric("magnitude_time_to_first_token_seconds_count", priority_class="standard") == 0
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        assert s.metric("magnitude_requests_finished_total") == 1
+        assert s.metric("magnitude_queue_time_seconds_count") == 1
+        assert s.metric("magnitude_time_to_first_token_seconds_count") == 1

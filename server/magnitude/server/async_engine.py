@@ -374,6 +374,8 @@ class AsyncEngine:
                 self._fail(tr, "failed", 500, f"output processing failed: {type(exc).__name__}: {exc}", "internal_error")
         for ev in self.loop.scheduler.drain_events():
             tr = self._tracked.get(ev.request_id) if ev.request_id else None
+            if tr is not None and ev.kind == "admit" and ev.reason == "scheduled":
+                self._observe_queue_time(tr)
             if tr is None or tr.done or ev.kind not in TERMINAL_EVENT_KINDS:
                 continue
             self._finalize_from_status(tr, TERMINAL_EVENT_KINDS[ev.kind], ev.reason or ev.kind)
@@ -434,6 +436,12 @@ class AsyncEngine:
             self._fail(tr, status, 503, f"request cancelled: {reason}", "cancelled")
         else:
             self._fail(tr, "failed", 500, f"request failed: {reason}", "request_failed")
+
+    def _observe_queue_time(self, tr: _Tracked) -> None:
+        # The scheduler emits "admit/scheduled" once, when it sets admitted_time: one observation per request.
+        req = tr.request
+        if req.admitted_time is not None:
+            self.metrics.observe_queue_time(req.priority_class, req.tenant, req.admitted_time - req.arrival_time)
 
     def _timing(self, req: Any, end: float | None) -> tuple[dict[str, float | None], RequestRecord]:
         arrival = req.arrival_time

@@ -110,12 +110,15 @@ class EngineMetrics:
         # Reasons may carry detail after ':' ("too_long:5000>4096"); the label keeps the bounded kind.
         self.rejections.labels(reason.split(":", 1)[0], priority_class).inc()
 
+    def observe_queue_time(self, priority_class: str, tenant: str, seconds: float) -> None:
+        """Called once per request, when it is first scheduled: the autoscaler's signal must not wait
+        for the request to finish (stuck requests would never show)."""
+        self.queue_time.labels(*self.labels(priority_class, tenant)).observe(max(0.0, seconds))
+
     def observe_request(self, rec: RequestRecord) -> None:
-        """Called once when a request reaches a terminal state."""
+        """Called once when a request reaches a terminal state (queue time is observed at admission)."""
         labels = self.labels(rec.priority_class, rec.tenant)
         self.requests_finished.labels(rec.status, *labels).inc()
-        if rec.admitted is not None:
-            self.queue_time.labels(*labels).observe(max(0.0, rec.admitted - rec.arrival))
         if rec.first_token is not None:
             self.ttft.labels(*labels).observe(max(0.0, rec.first_token - rec.arrival))
             self.prompt_tokens.labels(*labels).inc(rec.prompt_tokens)
