@@ -69,7 +69,6 @@ def ticks_until(api: Env, entry: loop.Entry, done: Callable[[], bool], timeout: 
         count, after = 0, 0
         deadline = time.monotonic() + timeout
         async with httpx.AsyncClient() as client:
-            entry.scraper = loop.Scraper(client)
             while time.monotonic() < deadline and after <= extra:
                 entry.body = api.current()  # what the watch would have delivered
                 await loop.tick(api.kube, entry, client)

@@ -72,15 +72,15 @@ async def _scraper_scenario() -> None:
     pods = [scrape.PodInfo("a", "ua", "10.0.0.1", True), scrape.PodInfo("b", "ub", "10.0.0.2", True),
             scrape.PodInfo("c", "uc", None, False)]
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        s = scrape.Scraper(client, clock=lambda: clock[0])
+        s = scrape.Scraper(clock=lambda: clock[0])
         queue(engines["10.0.0.2"], 9.0)  # before the first scrape: history, not this interval
-        first = await s.scrape(pods, "ml")
+        first = await s.scrape(client, pods, "ml")
         assert [p.queue_buckets for p in first[:2]] == [(), ()]
         for _ in range(9):
             queue(engines["10.0.0.2"], 3.0)
         queue(engines["10.0.0.1"], 0.02)
         clock[0] = 110.0
-        second = await s.scrape(pods, "ml")
+        second = await s.scrape(client, pods, "ml")
         load = aggregate(second, max_age=30)
         assert load.fresh_pods == 2 and load.kv_usage == pytest.approx(0.5)
         assert load.waiting == 6 and load.running == 6
@@ -88,6 +88,6 @@ async def _scraper_scenario() -> None:
         assert second[2].ready is False and second[2].kv_usage is None
         down.add("10.0.0.2")
         clock[0] = 150.0
-        third = await s.scrape(pods, "ml")
+        third = await s.scrape(client, pods, "ml")
         assert third[1].age == pytest.approx(40.0)  # last good scrape, now stale
         assert aggregate(third, max_age=30).fresh_pods == 1

@@ -95,7 +95,7 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
     except SpecInvalid:
         return  # the change handler has reported it; nothing to scale
     pods = pod_infos(await asyncio.to_thread(kube.list_pods, namespace, n.selector_string(name)))
-    loads = await entry.scraper.scrape(pods, namespace)
+    loads = await entry.scraper.scrape(client, pods, namespace)
     prev = parse_status(body)
     decision = decide(spec, desired_replicas(spec, prev), loads, memory_from_status(prev), now=time.time())
 

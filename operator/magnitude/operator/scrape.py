@@ -103,27 +103,16 @@ class _Seen:
 class Scraper:
     """Scrapes pods and turns them into PodLoads; remembers each pod's last histogram."""
 
-    def __init__(self, client: httpx.AsyncClient | None = None, clock: Any = time.monotonic) -> None:
-        self._client = client
+    def __init__(self, clock: Any = time.monotonic) -> None:
         self._clock = clock
         self._last: dict[str, _Seen] = {}
         self.shed_reported: dict[str, int | None] = {}
 
-    async def _fetch(self, url: str) -> str | None:
-        client = self._client or httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_SECONDS)
-        try:
-            resp = await client.get(url + "/metrics", timeout=SCRAPE_TIMEOUT_SECONDS)
-            return resp.text if resp.status_code == 200 else None
-        except httpx.HTTPError:
-            return None
-        finally:
-            if self._client is None:
-                await client.aclose()
-
-    async def scrape(self, pods: list[PodInfo], namespace: str) -> list[PodLoad]:
+    async def scrape(self, client: httpx.AsyncClient, pods: list[PodInfo], namespace: str) -> list[PodLoad]:
+        """Fetch every ready pod over `client` (the loop's shared one: connections are reused)."""
         ready = [p for p in pods if p.ready]
         urls = [pod_url(p, namespace) for p in ready]
-        texts = await asyncio.gather(*(self._fetch(u) if u else _none() for u in urls))
+        texts = await asyncio.gather(*(_fetch(client, u) if u else _none() for u in urls))
         now = self._clock()
         fresh: dict[str, tuple[PodMetrics, tuple[tuple[float, float], ...]]] = {}
         for pod, text in zip(ready, texts):
@@ -150,6 +139,14 @@ class Scraper:
             loads.append(PodLoad(name=p.name, ready=True, age=now - seen.at, kv_usage=metrics.kv_usage,
                                  waiting=metrics.waiting, running=metrics.running, queue_buckets=delta))
         return loads
+
+
+async def _fetch(client: httpx.AsyncClient, url: str) -> str | None:
+    try:
+        resp = await client.get(url + "/metrics", timeout=SCRAPE_TIMEOUT_SECONDS)
+        return resp.text if resp.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
 
 
 async def _none() -> None:
