@@ -44,6 +44,11 @@ class AttnGroup:
     mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, True = attend; None = plain causal, no padding
     src_rows: torch.Tensor | None  # valid rows of the [B*Qmax] output (None: all, in order)
     dst_rows: torch.Tensor | None  # where they go in the flattened output
+    # One sequence whose rows and blocks are consecutive (a fresh pool hands out runs of blocks):
+    # its queries and K/V are plain slices, no gather copy (a chunk deep in a long prompt copied
+    # ~2 MB of K/V per layer otherwise). None when the gather is needed.
+    q_offset: int | None = None
+    kv_first_slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +97,12 @@ def _group(seqs: list[SeqSlice], block_size: int, device: torch.device, total_to
         p = np.arange(l_max, dtype=np.int64)[None, None, :]
         mask = torch.from_numpy(p <= q_pos[:, :, None]).unsqueeze(1).to(device)
 
+    q_offset = kv_first_slot = None
+    if len(seqs) == 1:
+        q_offset = int(offset[0])
+        if num_blocks == 1 or bool(np.all(np.diff(kv_blocks[0]) == 1)):
+            kv_first_slot = int(kv_blocks[0, 0]) * block_size
+
     src_rows = dst_rows = None
     if not (len(seqs) == 1 and q_max == total_tokens):
         flat_valid = np.flatnonzero(q_valid.reshape(-1))
@@ -104,6 +115,8 @@ def _group(seqs: list[SeqSlice], block_size: int, device: torch.device, total_to
         mask=mask,
         src_rows=src_rows,
         dst_rows=dst_rows,
+        q_offset=q_offset,
+        kv_first_slot=kv_first_slot,
     )
 
 
@@ -180,10 +193,17 @@ def paged_attention_forward(
     v_blocks = v_cache.view(-1, batch.block_size, kv_heads, head_dim)
     out = None if batch.identity_output else query.new_empty(batch.num_tokens, heads, head_dim)
     for g in batch.groups:
-        q = q_rows[g.q_index].transpose(1, 2)  # [B, heads, Qmax, D]
-        b, nb = g.kv_blocks.shape
-        k = k_blocks[g.kv_blocks].view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
-        v = v_blocks[g.kv_blocks].view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
+        if g.q_offset is not None:
+            q = q_rows[g.q_offset : g.q_offset + g.q_index.shape[1]][None].transpose(1, 2)  # [1, heads, n, D]
+        else:
+            q = q_rows[g.q_index].transpose(1, 2)  # [B, heads, Qmax, D]
+        if g.kv_first_slot is not None:
+            kv = slice(g.kv_first_slot, g.kv_first_slot + g.kv_len)
+            k, v = k_cache[kv][None].transpose(1, 2), v_cache[kv][None].transpose(1, 2)
+        else:
+            b, nb = g.kv_blocks.shape
+            k = k_blocks[g.kv_blocks].view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
+            v = v_blocks[g.kv_blocks].view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
         res = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=g.mask, is_causal=g.mask is None and q.shape[2] > 1,
             scale=scaling, enable_gqa=True,
