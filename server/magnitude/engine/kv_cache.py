@@ -53,6 +53,8 @@ class KVCacheManager:
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already registered in the cache
         self._last_hash: dict[str, int] = {}
         self._host_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
+        # Host blocks a swap-in reads this step: free only from the next step on (see begin_step).
+        self._host_pending: list[int] = []
         self.host_tables: dict[str, list[int]] = {}
         self.num_used = 0
         self.prefix_queries = 0
@@ -69,7 +71,7 @@ class KVCacheManager:
             used_blocks=self.num_used,
             cached_free_blocks=len(self._evictable),
             total_blocks=self.num_blocks,
-            swap_used_blocks=self.num_swap_blocks - len(self._host_free),
+            swap_used_blocks=self.num_swap_blocks - len(self._host_free) - len(self._host_pending),
             swap_total_blocks=self.num_swap_blocks,
         )
 
@@ -241,8 +243,14 @@ class KVCacheManager:
         table = [self._take() for _ in host]
         self.tables[rid] = table
         request.block_ids = table
-        self._host_free.extend(reversed(host))
+        self._host_pending.extend(reversed(host))
         return list(zip(table, host))
+
+    def begin_step(self) -> None:
+        """Host blocks read by the last step's swap-ins are free again (their copies have run)."""
+        if self._host_pending:
+            self._host_free.extend(self._host_pending)
+            self._host_pending.clear()
 
     def num_host_blocks(self, request: Request) -> int:
         return len(self.host_tables.get(request.request_id, ()))
@@ -265,5 +273,5 @@ class KVCacheManager:
         assert self.num_used == sum(1 for r in refs if r), "used-block count drifted"
         for key, b in self._cached.items():
             assert self._block_key[b] == key, f"cache map and block {b} disagree"
-        host = [h for t in self.host_tables.values() for h in t] + self._host_free
+        host = [h for t in self.host_tables.values() for h in t] + self._host_free + self._host_pending
         assert sorted(host) == list(range(self.num_swap_blocks)), "host block leaked or double-owned"

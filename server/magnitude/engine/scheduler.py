@@ -31,7 +31,7 @@ from magnitude.engine.admission import AdmissionDecision, QueueView, check_admis
 from magnitude.engine.events import EventKind, SchedulerEvent
 from magnitude.engine.kv_cache import KVCacheManager
 from magnitude.engine.output import RequestUpdate, RunnerOutput, ScheduledSeq, StepPlan
-from magnitude.engine.queue import RequestQueue, effective_level, queue_key
+from magnitude.engine.queue import RequestQueue, queue_key
 from magnitude.engine.request import Request, RequestStatus
 from magnitude.engine.stats import SchedulerStats
 from magnitude.policy.schema import EngineConfig
@@ -55,6 +55,7 @@ class _Step:
     lookahead: dict[str, int] = field(default_factory=dict)
     tenant_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)  # ids preempted this step: not re-admitted in it
+    swapped_in: set[str] = field(default_factory=set)
 
 
 class Scheduler:
@@ -83,7 +84,6 @@ class Scheduler:
         self.block_size = config.kv_cache.block_size
         self.max_model_len = max_model_len
         self.queue = RequestQueue(sp.aging_seconds_per_level, sp.tenant_fairness)
-        self.aging = sp.aging_seconds_per_level
         self._priority = {c.name: c.priority for c in sp.priority_classes}
         self._known_classes = frozenset(self._priority)
         self.requests: dict[str, Request] = {}  # every non-terminal request
@@ -92,7 +92,7 @@ class Scheduler:
         self._running_by_tenant: dict[str, int] = {}
         self._last_service: dict[str, int] = {}
         self._tenant_caps: dict[str, tuple[int, int, float]] = {}
-        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadlines: list[tuple[float, int, str]] = []  # ids: a finished request is not kept alive
         self._deadline_seq = itertools.count()
         self._to_release: list[str] = []
         self.events: deque[SchedulerEvent] = deque(maxlen=max_events)
@@ -117,7 +117,8 @@ class Scheduler:
         if self._step_seconds is None:
             return None
         steps = math.ceil(max(1, request.num_tokens - request.num_computed_tokens) / self.chunk_size)
-        steps += max(0, request.max_tokens - request.num_output_tokens - 1)
+        if request.sampling.ignore_eos:  # only then is the output length known; else max_tokens is a cap
+            steps += max(0, request.max_tokens - request.num_output_tokens - 1)
         return steps * self._step_seconds
 
     def check_admission(self, request: Request, now: float) -> AdmissionDecision:
@@ -153,7 +154,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.queue.push(request)
         if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request))
+            heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request.request_id))
         return decision
 
     def abort(
@@ -213,6 +214,7 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         self.step_id += 1
         self._expire_deadlines(now)
+        self.kv.begin_step()
         step = _Step(StepPlan(self.step_id), self.token_budget)
         plan = step.plan
         plan.released, self._to_release = self._to_release, []
@@ -301,6 +303,7 @@ class Scheduler:
             assert pairs is not None
             self.swapped.pop(0)
             step.plan.swap_in.extend(pairs)
+            step.swapped_in.add(req.request_id)
             self._make_running(req)
             self._event(now, "swap_in", req.request_id, "blocks_available", blocks=len(pairs))
             ok = self._allocate(step, req, req.num_computed_tokens + n, now)
@@ -398,6 +401,13 @@ class Scheduler:
         self._running_by_tenant[req.tenant] -= 1
         req.num_preemptions += 1
         mode = self.policy.preemption_mode
+        if rid in step.swapped_in:
+            # Its swap-in copy has not run yet, so its device blocks hold nothing to swap out: cancel the
+            # copy and recompute (the runner copies out before in; swapping out would save garbage).
+            mode, reason = "recompute", f"{reason}+swapped_in_this_step"
+            targets = set(req.block_ids)
+            step.plan.swap_in = [p for p in step.plan.swap_in if p[0] not in targets]
+            step.swapped_in.discard(rid)
         if mode == "swap":
             pairs = self.kv.swap_out(req)
             if pairs is not None:
@@ -423,13 +433,14 @@ class Scheduler:
     def _expire_deadlines(self, now: float) -> None:
         heap = self._deadlines
         while heap and heap[0][0] <= now:
-            _, _, req = heapq.heappop(heap)
-            if not req.status.is_terminal:
+            _, _, rid = heapq.heappop(heap)
+            req = self.requests.get(rid)
+            if req is not None and not req.status.is_terminal:
                 self._terminate(req, RequestStatus.TIMED_OUT, "deadline", now)
 
     # ------------------------------------------------------------------ ordering and quotas
     def _key(self, req: Request) -> tuple[float, float, int]:
-        return queue_key(req.priority, req.arrival_time, 0, self.aging)
+        return queue_key(req.priority, req.arrival_time, 0, self.queue.aging_seconds)
 
     def _caps(self, tenant: str) -> tuple[int, int, float]:
         caps = self._tenant_caps.get(tenant)
@@ -488,6 +499,10 @@ class Scheduler:
             assert req.status is RequestStatus.RUNNING
             need = req.num_computed_tokens + n + step.lookahead.get(rid, 0)
             assert len(req.block_ids) * bs >= need, f"{rid}: block table too short"
+        # The runner copies out before in: a host block written by a swap-out must not be read by a
+        # swap-in of the same step (the KV manager frees swapped-in host blocks only at the next step).
+        plan = step.plan
+        assert not {h for _, h in plan.swap_in} & {h for _, h in plan.swap_out}, "host block reused within a step"
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, plan: StepPlan, output: RunnerOutput, now: float) -> list[RequestUpdate]:

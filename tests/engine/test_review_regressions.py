@@ -1,0 +1,61 @@
+"""Regressions found in review: swap copies of one step must be executable in the runner's order
+(all swap-outs, then all swap-ins), and deadlines must not count a capped output as certain."""
+
+from __future__ import annotations
+
+import random
+
+from sched_helpers import fake_output, make_request, make_scheduler
+
+
+def test_swap_copies_of_one_step_never_conflict() -> None:
+    swaps_seen = 0
+    for seed in range(120):
+        rng = random.Random(seed)
+        s = make_scheduler("scheduler.preemptionMode=swap", "scheduler.tokenBudget=32",
+                           "scheduler.prefillChunkSize=8", "kvCache.blockSize=4", "kvCache.swapBlocks=12",
+                           "scheduler.agingSecondsPerLevel=1", num_blocks=12)
+        t, n = 0.0, 0
+        for _ in range(150):
+            if rng.random() < 0.4 and n < 40:
+                s.add_request(make_request(f"r{n}", rng.randint(1, 20), rng.randint(1, 12), t,
+                                           priority_class=rng.choice(["interactive", "batch"])), t)
+                n += 1
+            s.drain_events()
+            plan = s.schedule(t)
+            events = s.drain_events()
+            swapped_in = {e.request_id for e in events if e.kind == "swap_in"}
+            swapped_out = {e.request_id for e in events if e.kind == "swap_out"}
+            swaps_seen += len(swapped_in)
+            assert not swapped_in & swapped_out, f"seed {seed}: swapped in and out in one step"
+            assert not {h for _, h in plan.swap_in} & {h for _, h in plan.swap_out}, f"seed {seed}: host block reused"
+            s.update_from_output(plan, fake_output(plan), t + 1)
+            t += 1
+        s.kv.check_invariants()
+    assert swaps_seen > 100, "the scenario must exercise swap-in"
+
+
+def _warm_scheduler(step_seconds: float = 0.05):
+    """A scheduler that has measured its step time (deadline estimates need one)."""
+    s = make_scheduler(num_blocks=512)
+    s.add_request(make_request("warm", 10, 3), 0.0)
+    t = 0.0
+    for _ in range(4):
+        plan = s.schedule(t)
+        out = fake_output(plan)
+        out.duration_s = step_seconds
+        t += step_seconds
+        s.update_from_output(plan, out, t)
+    return s, t
+
+
+def test_deadline_counts_max_tokens_only_when_the_length_is_known() -> None:
+    """max_tokens is a cap unless ignore_eos: a 5 s deadline with 256 possible tokens at 50 ms a step
+    is reachable (EOS may come early), but not when all 256 tokens must be generated."""
+    s, t = _warm_scheduler()
+    capped = make_request("capped", 20, 256, t, deadline=t + 5.0)
+    capped.sampling.ignore_eos = False
+    assert s.add_request(capped, t).accepted
+    exact = make_request("exact", 20, 256, t, deadline=t + 5.0)
+    decision = s.add_request(exact, t)
+    assert not decision.accepted and decision.reason == "deadline_unreachable"
