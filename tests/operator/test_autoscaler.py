@@ -163,3 +163,4 @@ def test_shed_order_follows_shed_order_field_and_max() -> None:
         {"name": "bulk", "priority": 2}], "defaultPriorityClass": "gold"},
         loadShedding={"maxShedClasses": 1})
     assert a.shed_order(spec) == ("bulk",)
+    assert spec.scheduler.shed_order() == ["bulk", "free", "gold"]  # ties by name; the rule the engine applies too

@@ -157,13 +157,10 @@ def usage_ratio(load: Load, targets: Autoscaling) -> float:
 def shed_order(spec: ModelServiceSpec) -> tuple[str, ...]:
     """Classes in the order they are shed: least important (highest shedOrder/priority) first,
     never the most important one unless loadShedding.maxShedClasses says so."""
-    classes = sorted(
-        spec.scheduler.priority_classes,
-        key=lambda c: (-(c.shed_order if c.shed_order is not None else c.priority), c.name),
-    )
+    order = spec.scheduler.shed_order()
     limit = spec.load_shedding.max_shed_classes
-    limit = len(classes) - 1 if limit is None else min(limit, len(classes))
-    return tuple(c.name for c in classes[:limit])
+    limit = len(order) - 1 if limit is None else min(limit, len(order))
+    return tuple(order[:limit])
 
 
 def deletion_costs(pods: tuple[PodLoad, ...] | list[PodLoad], max_age: float) -> dict[str, int]:

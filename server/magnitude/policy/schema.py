@@ -128,6 +128,12 @@ class SchedulerPolicy(PolicyModel):
                 return c.priority
         raise KeyError(f"unknown priority class {class_name!r}; known: {[c.name for c in self.priority_classes]}")
 
+    def shed_order(self) -> list[str]:
+        """Class names in the order load shedding drops them: least important first (highest
+        shedOrder, which defaults to priority), ties by name. Shared by the engine and the operator."""
+        key = lambda c: (-(c.shed_order if c.shed_order is not None else c.priority), c.name)  # noqa: E731
+        return [c.name for c in sorted(self.priority_classes, key=key)]
+
     def quota_of(self, tenant: str) -> TenantQuota:
         for q in self.tenant_quotas:
             if q.name == tenant:

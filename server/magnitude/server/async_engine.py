@@ -268,10 +268,7 @@ class AsyncEngine:
 
     # -- shedding -----------------------------------------------------------------------------------
     def shed_order(self) -> list[str]:
-        """Classes, least important first (highest shedOrder, defaulting to priority; then name)."""
-        classes = self.config.scheduler.priority_classes
-        key = lambda c: (-(c.shed_order if c.shed_order is not None else c.priority), c.name)  # noqa: E731
-        return [c.name for c in sorted(classes, key=key)]
+        return self.config.scheduler.shed_order()
 
     def set_shedding(self, enabled: bool, levels: int = 1, classes: list[str] | None = None) -> list[str]:
         """Shed `classes`, or the `levels` least important classes (never the most important one).
