@@ -233,8 +233,6 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             kind = exc.reason.split(":", 1)[0]
             if kind in ("too_long", "exceeds_kv_capacity"):
                 raise APIError(400, f"request too large for this server: {exc.reason}", param="max_tokens", code=kind) from exc
-            if kind == "unknown_priority_class":
-                raise APIError(400, f"unknown priority_class: {exc.reason}", param="priority_class", code=kind) from exc
             raise APIError(429, f"server overloaded: {exc.reason}", code=kind, retry_after_s=exc.retry_after_s or 1.0) from exc
         except NotReady as exc:
             raise APIError(503, str(exc), code=f"not_ready:{exc.phase}", retry_after_s=NOT_READY_RETRY_S) from exc
