@@ -76,3 +76,18 @@ def test_operator_never_imports_the_engine(path: Path) -> None:
 def test_simulator_imports_no_runner_or_server(path: Path) -> None:
     # It drives the engine's Scheduler; the model and HTTP stay out.
     assert _hits(path, HEAVY + ("magnitude.runner", "magnitude.server")) == []
+
+
+def test_operator_autoscaler_is_pure() -> None:
+    """The autoscaler and every operator module it imports (followed transitively) do no I/O."""
+    forbidden = HEAVY + ("httpx", "asyncio", "magnitude.engine", "magnitude.runner", "magnitude.server")
+    todo, seen = ["magnitude.operator.autoscaler"], set()
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        path = ROOT / "operator" / (mod.replace(".", "/") + ".py")
+        assert _hits(path, forbidden) == [], path.name
+        todo += [m for m in imports_of(path) if m.startswith("magnitude.operator.")]
+    assert "magnitude.operator.spec" in seen  # the walk really followed the autoscaler's imports
