@@ -49,6 +49,11 @@ class AttnGroup:
     # ~2 MB of K/V per layer otherwise). None when the gather is needed.
     q_offset: int | None = None
     kv_first_slot: int | None = None
+    # Gather buffers, allocated at the first layer and reused by the others: a fresh multi-MB
+    # tensor per layer cost more in page faults than the copy itself (5.8 vs 3.5 ms per layer for a
+    # chunk attending to 1,500 tokens).
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -202,8 +207,13 @@ def paged_attention_forward(
             k, v = k_cache[kv][None].transpose(1, 2), v_cache[kv][None].transpose(1, 2)
         else:
             b, nb = g.kv_blocks.shape
-            k = k_blocks[g.kv_blocks].view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
-            v = v_blocks[g.kv_blocks].view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
+            if g.k_buf is None:
+                g.k_buf, g.v_buf = torch.empty_like(k_blocks[: b * nb]), torch.empty_like(v_blocks[: b * nb])
+            flat = g.kv_blocks.view(-1)
+            torch.index_select(k_blocks, 0, flat, out=g.k_buf)
+            torch.index_select(v_blocks, 0, flat, out=g.v_buf)
+            k = g.k_buf.view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
+            v = g.v_buf.view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
         res = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=g.mask, is_causal=g.mask is None and q.shape[2] > 1,
             scale=scaling, enable_gqa=True,
