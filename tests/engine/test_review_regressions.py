@@ -8,13 +8,18 @@ import random
 from sched_helpers import fake_output, make_request, make_scheduler
 
 
-def test_swap_copies_of_one_step_never_conflict() -> None:
-    swaps_seen = 0
+def test_swap_copies_in_runner_order_bring_back_each_requests_own_kv() -> None:
+    """Model the KV contents as labels: the forward pass labels every block of a resident request
+    (request, index); copies run as the runner runs them (all swap-outs, then all swap-ins). Every
+    request swapped in must find its own labels back."""
+    swaps_checked = 0
     for seed in range(120):
         rng = random.Random(seed)
         s = make_scheduler("scheduler.preemptionMode=swap", "scheduler.tokenBudget=32",
                            "scheduler.prefillChunkSize=8", "kvCache.blockSize=4", "kvCache.swapBlocks=12",
-                           "scheduler.agingSecondsPerLevel=1", num_blocks=12)
+                           "kvCache.enablePrefixCaching=false", "scheduler.agingSecondsPerLevel=1", num_blocks=12)
+        device: dict[int, tuple[str, int]] = {}
+        host: dict[int, tuple[str, int] | None] = {}
         t, n = 0.0, 0
         for _ in range(150):
             if rng.random() < 0.4 and n < 40:
@@ -23,16 +28,25 @@ def test_swap_copies_of_one_step_never_conflict() -> None:
                 n += 1
             s.drain_events()
             plan = s.schedule(t)
-            events = s.drain_events()
-            swapped_in = {e.request_id for e in events if e.kind == "swap_in"}
-            swapped_out = {e.request_id for e in events if e.kind == "swap_out"}
-            swaps_seen += len(swapped_in)
-            assert not swapped_in & swapped_out, f"seed {seed}: swapped in and out in one step"
-            assert not {h for _, h in plan.swap_in} & {h for _, h in plan.swap_out}, f"seed {seed}: host block reused"
+            swapped_in = {e.request_id for e in s.drain_events() if e.kind == "swap_in"}
+            for d, h in plan.swap_out:
+                host[h] = device.get(d)
+            for d, h in plan.swap_in:
+                device[d] = host.get(h)
+            starts = {q.request_id: q.start_position for q in plan.seqs}
+            for rid in swapped_in & starts.keys():  # computed positions' blocks must come back intact
+                table = s.kv.tables[rid]
+                for i in range(-(-starts[rid] // 4)):
+                    assert device[table[i]] == (rid, i), f"seed {seed}: {rid} block {i} came back with {device[table[i]]}"
+                    swaps_checked += 1
+            for q in plan.seqs:  # the forward pass writes the blocks of the positions it computes
+                table = s.kv.tables[q.request_id]
+                for i in range(q.start_position // 4, -(-(q.start_position + q.num_tokens) // 4)):
+                    device[table[i]] = (q.request_id, i)
             s.update_from_output(plan, fake_output(plan), t + 1)
             t += 1
         s.kv.check_invariants()
-    assert swaps_seen > 100, "the scenario must exercise swap-in"
+    assert swaps_checked > 100, "the scenario must exercise swap-in"
 
 
 def _warm_scheduler(step_seconds: float = 0.05):

@@ -499,10 +499,6 @@ class Scheduler:
             assert req.status is RequestStatus.RUNNING
             need = req.num_computed_tokens + n + step.lookahead.get(rid, 0)
             assert len(req.block_ids) * bs >= need, f"{rid}: block table too short"
-        # The runner copies out before in: a host block written by a swap-out must not be read by a
-        # swap-in of the same step (the KV manager frees swapped-in host blocks only at the next step).
-        plan = step.plan
-        assert not {h for _, h in plan.swap_in} & {h for _, h in plan.swap_out}, "host block reused within a step"
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, plan: StepPlan, output: RunnerOutput, now: float) -> list[RequestUpdate]:
