@@ -2,7 +2,10 @@
 
     .venv/bin/python bench/runner_bench.py [--systems magnitude,hf,llama] [--threads 2]
         [--llama-server .cache/llama.cpp/build/bin/llama-server] [--out-dir out/bench-runner]
-        [--chunk N | --itl-target 300ms] [--scale 1.0]
+        [--traces mixed,long] [--chunk N] [--token-budget N] [--bf16-chunk N] [--bf16-token-budget N]
+
+`--systems magnitude,magnitude-bf16 --traces long --out-dir out/bench-runner-long` reruns only the
+long trace for Magnitude (keep a separate out dir: summary.json holds only the systems of its run).
 
 Systems (started one at a time on 127.0.0.1, killed after their traces):
 - magnitude: `magnitude serve` with the real ModelRunner (paged KV, mixed prefill/decode steps), fp32;
@@ -182,15 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
     p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-runner"))
-    # Derived here by `magnitude profile --itl-target 300ms` (8 decodes): 52 tokens; 48 keeps a
-    # margin. The budget caps a step's tokens, so chats' prefills share it with the long chunk.
-    p.add_argument("--chunk", type=int, default=48, help="Magnitude prefillChunkSize (see `magnitude profile`)")
-    p.add_argument("--token-budget", type=int, default=64, help="Magnitude tokenBudget per step")
-    # bf16 weights (fp32 KV/attention): `magnitude profile --dtype bfloat16 --itl-target 300ms` gave
-    # 215 tokens at 8 decodes (context 256) and ~110 at 16; a chunk deep in a 1,500-token prompt
-    # attends to more, so 64 (budget 96 with up to 12 decodes and the chats' prompts).
-    p.add_argument("--bf16-chunk", type=int, default=64)
-    p.add_argument("--bf16-token-budget", type=int, default=96)
+    # The token budget is the step cap that matters: a chunk gets what the decodes leave of it. The
+    # long trace's worst step is 12 decodes + a chunk deep in the 1,500-token prompt
+    # (`bench/step_profile.py --decodes 12 --context 100 --prefill N --prefill-start 1440`): fp32 about
+    # 0.2 s at 12 + 28 tokens, bf16 about 0.14-0.2 s at 12 + 36; HTTP streaming adds ~0.05 s. So
+    # budgets 40 (fp32) and 48 (bf16) keep in-stream stalls near or under 0.3 s on this host.
+    p.add_argument("--chunk", type=int, default=40, help="Magnitude prefillChunkSize (see `magnitude profile`)")
+    p.add_argument("--token-budget", type=int, default=40, help="Magnitude tokenBudget per step")
+    p.add_argument("--bf16-chunk", type=int, default=48)
+    p.add_argument("--bf16-token-budget", type=int, default=48)
     p.add_argument("--traces", default="mixed,long")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)

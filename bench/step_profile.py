@@ -2,6 +2,11 @@
 step preparation and the rest (Python/framework overhead, norms, RoPE, embeddings).
 
     .venv/bin/python bench/step_profile.py [--threads 2] [--decodes 8] [--prefill 64] [--context 256] [--steps 10]
+        [--prefill-start 0]
+
+`--prefill-start S` puts the chunk at positions S..S+prefill (a chunk deep in a long prompt, which
+attends to S earlier tokens): the long-prompt trace's worst step is about `--decodes 12 --context 100
+--prefill 96 --prefill-start 1400`.
 
 Wall-clock timers on module forward hooks (CPU ops are synchronous, so hooks bracket real work;
 on CUDA the script synchronizes in each hook, which slows it but keeps the split honest).
@@ -23,6 +28,7 @@ sys.path[:0] = [str(ROOT / "server")]
 from magnitude.runner import ModelRunner  # noqa: E402  (first: sets OMP_WAIT_POLICY before torch loads)
 from magnitude.runner import attention as paged  # noqa: E402
 from magnitude.cli.profile import _plan, blocks_needed  # noqa: E402
+from magnitude.engine.output import ScheduledSeq  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -58,11 +64,13 @@ def main() -> int:
     p.add_argument("--prefill", type=int, default=64)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prefill-start", type=int, default=0, help="position of the chunk's first token")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     args = p.parse_args()
     runner = ModelRunner(device=args.device, dtype=args.dtype, num_threads=args.threads,
-                         num_blocks=blocks_needed([args.decodes], [max(args.prefill, 1)], args.context, 16))
+                         num_blocks=blocks_needed([args.decodes], [max(args.prefill, 1) + args.prefill_start],
+                                                    args.context, 16))
     timers = Timers(runner.device.type == "cuda")
     for layer in runner.model.model.layers:
         timers.hook(layer.self_attn, "attention incl. q/k/v/o projections")
@@ -81,6 +89,13 @@ def main() -> int:
 
     paged.AttentionInterface.register(paged.ATTN_IMPLEMENTATION, timed_attention)
     plan = _plan(args.decodes, args.prefill, args.context, runner.block_size, 0)
+    if args.prefill and args.prefill_start:
+        # The same chunk, deep in its prompt: its block table covers the earlier positions too.
+        chunk = plan.seqs[-1]
+        base = chunk.block_table[0]
+        end = args.prefill_start + args.prefill
+        plan.seqs[-1] = ScheduledSeq(chunk.request_id, chunk.token_ids, args.prefill_start,
+                                     list(range(base, base + -(-end // runner.block_size))), True, chunk.sampling)
     for _ in range(2):
         runner.execute(plan)
     timers.total.clear()
@@ -104,7 +119,7 @@ def main() -> int:
     ]
     accounted = sum(v for _, v in rows)
     rows.append(("other (python, dispatch, output)", total / n - accounted))
-    print(f"step: {args.decodes} decodes (context {args.context}) + {args.prefill}-token prefill chunk; "
+    print(f"step: {args.decodes} decodes (context {args.context}) + {args.prefill}-token prefill chunk at {args.prefill_start}; "
           f"device {runner.device}, dtype {runner.dtype}, threads {torch.get_num_threads()}")
     print(f"mean step time {total / n * 1000:.1f} ms over {n} steps")
     for name, v in rows:
