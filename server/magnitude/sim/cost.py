@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from magnitude.engine.output import StepPlan
+from magnitude.policy.schema import EngineConfig
 
 
 class CostModelError(ValueError):
@@ -132,6 +133,17 @@ def derive_chunk_size(cost: CostModel, itl_target_s: float, decode_batch: int, t
         else:
             hi = mid - 1
     return lo
+
+
+def resolve_prefill_chunk(config: EngineConfig, cost: CostModel) -> EngineConfig:
+    """`prefillChunkSize` left null with an `itlTargetMs`: the largest chunk that keeps a step with a
+    full decode batch (`maxSequences`) within the target under this cost model. The engine and the
+    simulator both call this, so the integer is derived from a measurement, never borrowed."""
+    sp = config.scheduler
+    if sp.prefill_chunk_size is not None or sp.itl_target_ms is None:
+        return config
+    chunk = derive_chunk_size(cost, sp.itl_target_ms / 1000.0, sp.max_sequences, sp.token_budget)
+    return config.model_copy(update={"scheduler": sp.model_copy(update={"prefill_chunk_size": chunk})})
 
 
 def load_cost_model(spec: str, block_size: int = 16) -> CostModel:

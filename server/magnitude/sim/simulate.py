@@ -17,7 +17,7 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
-from magnitude.sim.cost import CostModel, derive_chunk_size
+from magnitude.sim.cost import CostModel, resolve_prefill_chunk
 from magnitude.sim.trace import TraceError, TraceRecord
 
 DEFAULT_SIM_BLOCKS = 2048  # when kvCache.numBlocks is null (the engine sizes it from memory)
@@ -64,18 +64,10 @@ class CostModelRunner:
 def resolve_sim_config(config: EngineConfig, cost_model: CostModel) -> EngineConfig:
     """Fill what the engine would measure: kvCache.numBlocks when null, and prefillChunkSize when
     null with an itlTargetMs (derived from the cost model at a full decode batch)."""
-    sp = config.scheduler
-    derive = sp.prefill_chunk_size is None and sp.itl_target_ms is not None
-    if config.kv_cache.num_blocks is not None and not derive:
+    config = resolve_prefill_chunk(config, cost_model)
+    if config.kv_cache.num_blocks is not None:
         return config
-    doc = config.to_document()
-    if config.kv_cache.num_blocks is None:
-        doc["kvCache"]["numBlocks"] = DEFAULT_SIM_BLOCKS
-    if derive:
-        doc["scheduler"]["prefillChunkSize"] = derive_chunk_size(
-            cost_model, sp.itl_target_ms / 1000.0, sp.max_sequences, sp.token_budget
-        )
-    return EngineConfig.model_validate(doc)
+    return config.model_copy(update={"kv_cache": config.kv_cache.model_copy(update={"num_blocks": DEFAULT_SIM_BLOCKS})})
 
 
 def to_request(rec: TraceRecord, config: EngineConfig) -> Request:
