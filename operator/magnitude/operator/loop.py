@@ -41,6 +41,7 @@ class Entry:
     lock: threading.Lock = field(default_factory=threading.Lock)
     scraper: Scraper = field(default_factory=Scraper)
     token: str | None = None
+    shed_sent: dict[str, frozenset[str]] = field(default_factory=dict)  # pod name -> classes it accepted from us
 
 
 class Registry:
@@ -84,6 +85,23 @@ def pod_infos(pods: list[dict[str, Any]]) -> list[PodInfo]:
     return out
 
 
+def shed_stale(pods: list[PodInfo], reported: dict[str, int | None], sent: dict[str, frozenset[str]],
+               want: frozenset[str]) -> list[PodInfo]:
+    """Ready, scraped pods whose shedding may differ from `want`. The engine's gauge says only how
+    many classes it sheds, so a same-sized but different set is caught by what we last sent it; a
+    pod we never told is known to shed nothing only when it reports zero (an operator restart
+    re-sends once otherwise)."""
+    out = []
+    for p in pods:
+        if not p.ready or p.name not in reported:
+            continue  # not scraped this tick: nothing to compare
+        count = reported[p.name]
+        known = sent.get(p.name, frozenset() if count == 0 else None)
+        if count != len(want) or known != want:
+            out.append(p)
+    return out
+
+
 async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
     body = entry.body
     meta = body.get("metadata") or {}
@@ -104,16 +122,23 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
             reconcile(kube, body, decision)
 
     await asyncio.to_thread(locked)
-    want = len(decision.shed_classes)
-    stale = [p for p in pods if p.ready and entry.scraper.shed_reported.get(p.name, want) != want]
+    want = frozenset(decision.shed_classes)
+    alive = {p.name for p in pods}
+    entry.shed_sent = {pod: sent for pod, sent in entry.shed_sent.items() if pod in alive}
+    stale = shed_stale(pods, entry.scraper.shed_reported, entry.shed_sent, want)
     if not stale:
         return
     if entry.token is None:
         entry.token = await asyncio.to_thread(kube.read_admin_token, namespace, name)
     for p in stale:
         url = pod_url(p, namespace)
-        if url and entry.token and not await set_shedding(client, url, entry.token, decision.shed_classes):
+        if not (url and entry.token):
+            continue
+        if await set_shedding(client, url, entry.token, decision.shed_classes):
+            entry.shed_sent[p.name] = want
+        else:
             log.warning("%s/%s: pod %s did not accept shedding %s", namespace, name, p.name, decision.shed_classes)
+            entry.shed_sent.pop(p.name, None)
             entry.token = None  # re-read next tick, in case the Secret was replaced
 
 
