@@ -73,3 +73,17 @@ def test_deadline_counts_max_tokens_only_when_the_length_is_known() -> None:
     exact = make_request("exact", 20, 256, t, deadline=t + 5.0)
     decision = s.add_request(exact, t)
     assert not decision.accepted and decision.reason == "deadline_unreachable"
+
+
+def test_per_tenant_state_is_dropped_when_the_tenant_is_idle() -> None:
+    """Tenant names come from clients (`user`, X-Tenant): 500 one-off tenants must not leave 500 entries."""
+    s = make_scheduler(num_blocks=256)
+    t = 0.0
+    for i in range(500):
+        s.add_request(make_request(f"r{i}", 4, 1, t, tenant=f"tenant-{i}"), t)
+        plan = s.schedule(t)
+        t += 1
+        s.update_from_output(plan, fake_output(plan), t)
+    s.schedule(t)
+    assert not s.requests
+    assert len(s._running_by_tenant) + len(s._last_service) + len(s._tenant_caps) == 0

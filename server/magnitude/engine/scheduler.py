@@ -209,6 +209,18 @@ class Scheduler:
             self._count(self._stats.rejections, reason)
         self._count(self._stats.finished, status.value)
         self._event(now, _TERMINAL_EVENT[status], request.request_id, reason)
+        self._forget_idle_tenant(request.tenant)
+
+    def _forget_idle_tenant(self, tenant: str) -> None:
+        """Per-tenant state is keyed by a client-chosen name: drop it once the tenant has nothing
+        running, swapped or queued, so it stays bounded by the live tenants."""
+        if self._running_by_tenant.get(tenant, 0) or self.queue.tenant_figures(tenant)[0]:
+            return
+        if any(r.tenant == tenant for r in self.swapped):
+            return
+        self._running_by_tenant.pop(tenant, None)
+        self._last_service.pop(tenant, None)
+        self._tenant_caps.pop(tenant, None)
 
     # ------------------------------------------------------------------ one step
     def schedule(self, now: float) -> StepPlan:
