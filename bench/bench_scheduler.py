@@ -17,11 +17,11 @@ from magnitude.engine.output import RunnerOutput, SampledToken
 from magnitude.engine.request import Request
 from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
-from magnitude.policy.load import load_config
+from magnitude.policy.load import resolve_config
 
 
 def build(running: int, waiting: int, tenants: int, max_tokens: int = 1000) -> tuple[Scheduler, float]:
-    config = load_config(None, [
+    config = resolve_config(None, [
         f"scheduler.maxSequences={running}",
         "scheduler.tokenBudget=2048",
         f"admission.maxQueuedRequests={running + waiting + 1}",

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from magnitude.cli.main import main as cli
-from magnitude.policy.load import load_config
+from magnitude.policy.load import resolve_config
 from magnitude.sim.cost import LinearCost
 from magnitude.sim.report import build_report, dump_report
 from magnitude.sim.scenarios import ScenarioOptions, generate
@@ -34,7 +34,7 @@ def main() -> None:
     t0 = time.perf_counter()
     records = generate("mixed", ScenarioOptions(seed=a.seed, n=a.n))
     t1 = time.perf_counter()
-    result = simulate(records, load_config(), LinearCost())
+    result = simulate(records, resolve_config(), LinearCost())
     t2 = time.perf_counter()
     text = dump_report(build_report(result))
     t3 = time.perf_counter()

@@ -6,11 +6,11 @@ from magnitude.engine.output import RunnerOutput, SampledToken, StepPlan
 from magnitude.engine.request import Request
 from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
-from magnitude.policy.load import load_config
+from magnitude.policy.load import resolve_config
 
 
 def make_scheduler(*sets: str, num_blocks: int | None = None) -> Scheduler:
-    return Scheduler(load_config(None, list(sets)), num_blocks=num_blocks)
+    return Scheduler(resolve_config(None, list(sets)), num_blocks=num_blocks)
 
 
 def make_request(rid: str, prompt: int | list[int], outputs: int, arrival: float = 0.0, **kw) -> Request:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from magnitude.policy.load import load_config
+from magnitude.policy.load import resolve_config
 from magnitude.sim.cost import UnitCost
 from magnitude.sim.report import build_report
 from magnitude.sim.trace import TraceRecord
@@ -35,7 +35,7 @@ def trace(d_deadline: float | None = None) -> list[TraceRecord]:
 
 
 def run(policy: str, d_deadline: float | None = None) -> dict:
-    report = build_report(simulate(trace(d_deadline), load_config(None, POLICIES[policy]), UnitCost()))
+    report = build_report(simulate(trace(d_deadline), resolve_config(None, POLICIES[policy]), UnitCost()))
     for step in report["steps"]:
         assert len(step["decode"]) + sum(n for _, n in step["prefill"]) <= 16
         assert step["kv_used_blocks"] <= 40

@@ -14,7 +14,7 @@ from magnitude.engine.output import RunnerOutput, SampledToken
 from magnitude.engine.request import Request, RequestStatus
 from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
-from magnitude.policy.load import load_config
+from magnitude.policy.load import resolve_config
 
 TERMINAL_EVENTS = {"finish", "cancel", "reject", "timeout"}
 
@@ -38,7 +38,7 @@ def configs(draw, pressure: bool = False):
     ]
     if draw(st.booleans()):
         sets.append("scheduler.tenantQuotas=[{name: t0, maxRunningShare: 0.5, maxTokenShare: 0.5}]")
-    return load_config(None, sets)
+    return resolve_config(None, sets)
 
 
 request_specs = st.lists(

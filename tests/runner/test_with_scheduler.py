@@ -12,7 +12,7 @@ import pytest
 from magnitude.engine.request import Request
 from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
-from magnitude.policy.load import load_config
+from magnitude.policy.load import resolve_config
 
 from .conftest import MAX_NEW
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.model
 
 
 def _drive(runner, prompt_ids, *sets: str) -> tuple[Scheduler, dict[str, list[int]]]:
-    sched = Scheduler(load_config(None, list(sets)))
+    sched = Scheduler(resolve_config(None, list(sets)))
     now = 0.0
     for i, ids in enumerate(prompt_ids):
         req = Request(f"r{i}", list(ids), len(ids), SamplingParams(max_tokens=MAX_NEW, temperature=0.0), now,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from magnitude.policy.load import load_config
+from magnitude.policy.load import resolve_config
 from magnitude.sim.cost import UnitCost
 from magnitude.sim.report import build_report
 from magnitude.sim.simulate import simulate
@@ -24,7 +24,7 @@ def trace() -> list[TraceRecord]:
 
 @pytest.mark.parametrize(("aging", "admitted_by"), [("null", None), ("2", 5.0)])
 def test_aging_bounds_the_wait_of_a_low_priority_request(aging: str, admitted_by: float | None) -> None:
-    config = load_config(None, ["scheduler.maxSequences=1", "scheduler.tokenBudget=16",
+    config = resolve_config(None, ["scheduler.maxSequences=1", "scheduler.tokenBudget=16",
                                 f"scheduler.agingSecondsPerLevel={aging}", "kvCache.numBlocks=64"])
     report = build_report(simulate(trace(), config, UnitCost()))
     batch = next(r for r in report["requests"] if r["id"] == "batch")

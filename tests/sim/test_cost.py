@@ -9,7 +9,7 @@ import pytest
 
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
-from magnitude.policy.load import load_config
+from magnitude.policy.load import resolve_config
 from magnitude.sim.cost import CostModelError, LinearCost, TableCost, derive_chunk_size, load_cost_model
 from magnitude.sim.simulate import resolve_sim_config
 
@@ -59,5 +59,5 @@ def test_chunk_derived_from_itl_target() -> None:
     assert derive_chunk_size(c, 0.062, 64, 2048) == 285
     assert derive_chunk_size(c, 10.0, 64, 2048) == 2048 - 64
     assert derive_chunk_size(c, 0.001, 64, 2048) == 1
-    cfg = resolve_sim_config(load_config(None, ["scheduler.prefillChunkSize=null", "scheduler.itlTargetMs=62"]), c)
+    cfg = resolve_sim_config(resolve_config(None, ["scheduler.prefillChunkSize=null", "scheduler.itlTargetMs=62"]), c)
     assert cfg.scheduler.prefill_chunk_size == 285 and cfg.kv_cache.num_blocks is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from magnitude.policy.load import load_config
+from magnitude.policy.load import resolve_config
 from magnitude.sim.cost import LinearCost
 from magnitude.sim.report import build_report
 from magnitude.sim.scenarios import SCENARIOS, ScenarioOptions, generate
@@ -15,7 +15,7 @@ KNOWN_REJECT_REASONS = {"queue_full", "queue_tokens_full", "tenant_queue_share",
 
 
 def run(name: str, **options) -> dict:
-    report = build_report(simulate(generate(name, ScenarioOptions(**options)), load_config(), LinearCost()))
+    report = build_report(simulate(generate(name, ScenarioOptions(**options)), resolve_config(), LinearCost()))
     assert all(r["status"] in ("finished", "rejected", "cancelled", "timed_out") for r in report["requests"])
     assert report["steps"][-1]["kv_used_blocks"] == 0
     return report
@@ -68,7 +68,7 @@ def test_burst_queue_time_recovers() -> None:
 def test_overload_rejects_are_bounded_and_carry_reasons() -> None:
     r = run("overload")
     rejected = [x for x in r["requests"] if x["status"] == "rejected"]
-    admission = load_config().admission
+    admission = resolve_config().admission
     assert rejected and all(x["reason"] in KNOWN_REJECT_REASONS for x in rejected)
     assert all(s["waiting"] <= admission.max_queued_requests for s in r["steps"])
     assert r["summary"]["queue_time"]["max"] <= admission.max_queue_wait_seconds

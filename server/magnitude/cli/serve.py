@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     from magnitude.server.metrics import EngineMetrics
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from magnitude.policy.load import ConfigError, load_config
+    from magnitude.cli.config_file import load_config
+    from magnitude.policy.load import ConfigError
     from magnitude.sim.cost import CostModelError
 
     try:

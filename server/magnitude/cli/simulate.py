@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from magnitude.cli.errors import UsageError
-from magnitude.policy.load import load_config
+from magnitude.cli.config_file import load_config
 from magnitude.sim.cost import CostModelError, load_cost_model
 from magnitude.sim.report import build_report, dump_report
 from magnitude.sim.simulate import simulate

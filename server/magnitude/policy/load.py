@@ -1,14 +1,12 @@
-"""Load the engine config document (YAML or JSON) and apply `--set dotted.camelCase=value` overrides.
+"""Resolve the engine config document and apply `--set dotted.camelCase=value` overrides. Pure.
 
 The same document is the engine's `--config`, the simulator's `--config` and the operator's
-ConfigMap. Errors are `ConfigError`s whose message names the file and the key, so the CLI can
-print them and exit 2. Reading the file is the only I/O here; `apply_overrides` is pure.
+ConfigMap. Errors are `ConfigError`s whose message names the source and the key, so the CLI can
+print them and exit 2. Reading a file is the CLI's job (`magnitude.cli.config_file`).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -114,27 +112,11 @@ def _default_document(path: list[str | int]) -> Any:
     return node
 
 
-def load_document(path: str | Path) -> dict:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from e
-    try:
-        doc = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from e
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: the config must be a mapping (scheduler, kvCache, admission, ...)")
-    return doc
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> EngineConfig:
-    """The resolved EngineConfig: defaults, then the file, then each `--set` in order."""
-    source = str(path) if path else "config"
-    doc = load_document(path) if path else {}
+def resolve_config(doc: dict | None = None, overrides: list[str] | tuple[str, ...] = (),
+                   source: str = "config") -> EngineConfig:
+    """The resolved EngineConfig: defaults, then the document, then each `--set` in order.
+    `source` names where the document came from, for error messages."""
+    doc = {} if doc is None else doc
     try:
         EngineConfig.model_validate(doc)
     except ValidationError as e:
