@@ -217,3 +217,29 @@ def test_queue_time_is_observed_at_admission_once_not_at_the_end() -> None:
         assert s.metric("magnitude_requests_finished_total") == 1
         assert s.metric("magnitude_queue_time_seconds_count") == 1
         assert s.metric("magnitude_time_to_first_token_seconds_count") == 1
+
+
+def test_queued_positions_count_down_to_the_head() -> None:
+    import asyncio
+
+    config = sim_config(scheduler__max_sequences=1)
+    with serve(simulated(config, cost=lambda plan: 0.01), config) as s:
+        body = {"model": "simulated", "messages": [{"role": "user", "content": "a"}], "max_tokens": 8, "stream": True,
+                "stream_options": {"include_progress": True}}
+
+        async def one(client: httpx.AsyncClient) -> list[int]:
+            got = []
+            async with client.stream("POST", s.v1 + "/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"queued"' in line:
+                        got.append(json.loads(line[6:])["progress"]["position"])
+            return got
+
+        async def main() -> list[list[int]]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                return await asyncio.gather(*(one(client) for _ in range(4)))
+
+        runs = asyncio.run(main())
+    assert all(r == sorted(r, reverse=True) and len(set(r)) == len(r) for r in runs), runs  # only ever moves up
+    assert all(r[-1] == 0 for r in runs), runs  # each reached the head before it ran
+    assert max(r[0] for r in runs) >= 2, runs  # with one running slot, someone queued behind two others

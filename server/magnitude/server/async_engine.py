@@ -488,10 +488,18 @@ class AsyncEngine:
 
     def _queue_positions(self) -> None:
         assert self.loop is not None
-        for tr in self._tracked.values():
-            if tr.done or not tr.spec.include_progress or tr.last_prefill >= 0 or tr.generating_sent:
-                continue
-            pos = self.loop.scheduler.queue_position(tr.request.request_id)
+        waiting = [
+            tr
+            for tr in self._tracked.values()
+            if not tr.done and tr.spec.include_progress and tr.last_prefill < 0 and not tr.generating_sent
+        ]
+        if not waiting:
+            return
+        # One ordered pass over the queue per step (index = live requests ahead, as queue.position()
+        # counts them), instead of an O(queue) position() per waiting stream.
+        positions = {r.request_id: i for i, r in enumerate(self.loop.scheduler.queue)}
+        for tr in waiting:
+            pos = positions.get(tr.request.request_id)
             if pos is not None and pos != tr.last_position:
                 tr.last_position = pos
                 tr.events.append(Progress("queued", {"position": pos}))
