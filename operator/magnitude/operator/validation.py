@@ -44,4 +44,10 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
             problems.append(Problem("spec.draftModel.numSpeculativeTokens",
                                     f"{spec.draft_model.num_speculative_tokens} exceeds "
                                     f"spec.scheduler.maxLookaheadTokens {spec.scheduler.max_lookahead_tokens}"))
+    sp = spec.scheduler
+    if sp.prefill_chunk_size is None and sp.itl_target_ms is not None:
+        problems.append(Problem("spec.scheduler.itlTargetMs",
+                                "deriving prefillChunkSize needs a cost model measured on the serving hardware, "
+                                "which engine pods do not carry yet: set spec.scheduler.prefillChunkSize "
+                                "(`magnitude profile --itl-target` prints it)"))
     return problems
