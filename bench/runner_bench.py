@@ -187,11 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-runner"))
     # The token budget is the step cap that matters: a chunk gets what the decodes leave of it. The
     # long trace's worst step is 12 decodes + a chunk deep in the 1,500-token prompt
-    # (`bench/step_profile.py --decodes 12 --context 100 --prefill N --prefill-start 1440`): fp32 about
-    # 0.2 s at 12 + 28 tokens, bf16 about 0.14-0.2 s at 12 + 36; HTTP streaming adds ~0.05 s. So
-    # budgets 40 (fp32) and 48 (bf16) keep in-stream stalls near or under 0.3 s on this host.
-    p.add_argument("--chunk", type=int, default=40, help="Magnitude prefillChunkSize (see `magnitude profile`)")
-    p.add_argument("--token-budget", type=int, default=40, help="Magnitude tokenBudget per step")
+    # (`bench/step_profile.py --decodes 12 --context 100 --prefill N --prefill-start 1440`): fp32
+    # ~0.2-0.29 s at 12 + 32 tokens, bf16 ~0.14 s at 12 + 32 and ~0.21 s at 12 + 48. Long-trace
+    # sweep on a quiet host (fp32, longest in-chat stall / long TTFT): budget 40: 0.27 s / 11.8 s;
+    # 48: 0.27 s / 10.6 s; 56: 0.34 s / 11.0 s. bf16 at 48: 0.23 s / 6.1 s.
+    p.add_argument("--chunk", type=int, default=48, help="Magnitude prefillChunkSize (see `magnitude profile`)")
+    p.add_argument("--token-budget", type=int, default=48, help="Magnitude tokenBudget per step")
     p.add_argument("--bf16-chunk", type=int, default=48)
     p.add_argument("--bf16-token-budget", type=int, default=48)
     p.add_argument("--traces", default="mixed,long")
