@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "server")]
 
-from magnitude.runner import ModelRunner  # noqa: E402  (first: sets OMP_WAIT_POLICY before torch loads)
+from magnitude.runner import ModelRunner  # noqa: E402  (first: sets GOMP_SPINCOUNT before torch loads)
 from magnitude.runner import attention as paged  # noqa: E402
 from magnitude.cli.profile import _plan, blocks_needed  # noqa: E402
 from magnitude.engine.output import ScheduledSeq  # noqa: E402
@@ -67,8 +67,9 @@ def main() -> int:
     p.add_argument("--prefill-start", type=int, default=0, help="position of the chunk's first token")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", default=None, help="none (default) or int8")
     args = p.parse_args()
-    runner = ModelRunner(device=args.device, dtype=args.dtype, num_threads=args.threads,
+    runner = ModelRunner(device=args.device, dtype=args.dtype, num_threads=args.threads, quantization=args.quantization,
                          num_blocks=blocks_needed([args.decodes], [max(args.prefill, 1) + args.prefill_start],
                                                     args.context, 16))
     timers = Timers(runner.device.type == "cuda")
@@ -120,7 +121,7 @@ def main() -> int:
     accounted = sum(v for _, v in rows)
     rows.append(("other (python, dispatch, output)", total / n - accounted))
     print(f"step: {args.decodes} decodes (context {args.context}) + {args.prefill}-token prefill chunk at {args.prefill_start}; "
-          f"device {runner.device}, dtype {runner.dtype}, threads {torch.get_num_threads()}")
+          f"device {runner.device}, dtype {runner.dtype}, quantization {runner.quantization}, threads {torch.get_num_threads()}")
     print(f"mean step time {total / n * 1000:.1f} ms over {n} steps")
     for name, v in rows:
         print(f"  {name:50} {v * 1000:8.1f} ms  {100 * v / (total / n):5.1f}%")

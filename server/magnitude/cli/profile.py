@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", choices=("none", "int8"), default="none", help="as for `magnitude serve`")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                              num_blocks=blocks_needed(decodes, prefills, args.context, 16),
-                             num_swap_blocks=32, num_threads=args.threads)
+                             num_swap_blocks=32, num_threads=args.threads, quantization=args.quantization)
     except ModelSourceError as e:
         raise UsageError(str(e)) from e
     doc = profile_runner(runner, decodes, prefills, args.context, args.repeats)

@@ -24,6 +24,7 @@ from magnitude.engine.output import RunnerOutput, SampledToken, ScheduledSeq, St
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model
+from magnitude.runner.quantize import CALIBRATION_TEXT, quantize_linears
 from magnitude.runner.sampling import Sampler, accept_drafts
 
 
@@ -75,6 +76,7 @@ class ModelRunner:
         warmup: bool = True,
         seed: int | None = None,
         num_threads: int | None = None,
+        quantization: str | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -84,6 +86,9 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         report = progress or (lambda phase, fraction: None)
         loaded = load_model(source, device, dtype, attn_implementation=ATTN_IMPLEMENTATION, progress=report)
+        self.quantization = quantization or "none"
+        quantize_linears(loaded.model, self.quantization, loaded.device,
+                         loaded.tokenizer(CALIBRATION_TEXT)["input_ids"])
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
@@ -106,7 +111,9 @@ class ModelRunner:
             dtype=torch.float32 if self.device.type == "cpu" else self.dtype,
         )
         if num_blocks is None:
-            weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            # Buffers too: int8 weights are buffers, not parameters.
+            weight_bytes = sum(t.numel() * t.element_size()
+                               for t in (*self.model.parameters(), *self.model.buffers()))
             num_blocks = default_num_blocks(shape, self.device, weight_bytes)
         self.kv = PagedKVPool(shape, num_blocks, num_swap_blocks, self.device)
         self.num_blocks = num_blocks

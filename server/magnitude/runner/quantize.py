@@ -1,0 +1,133 @@
+"""Int8 weight quantization of the transformer layers' linear projections (W8A8, CPU).
+
+`quantize_linears(model, "int8", device, calibration_ids)` swaps every `nn.Linear` inside the
+decoder layers (q/k/v/o and the MLP's gate/up/down) and the LM head for an `Int8Linear`: weights
+int8 with one symmetric scale per output channel, activations quantized per token at run time,
+products in `torch._int_mm` (int8 x int8 -> int32, AVX-512 VNNI on this kind of CPU; 3-4x an fp32
+matmul at 8-128 rows). Embeddings, norms, attention and the KV cache stay in the model's dtype.
+The LM head is included because it is memory-bound: 12 rows through the fp32 49k x 576 head took
+16 ms, int8 3 ms (bf16 5 ms), for a mean KL to fp32 of 0.020 instead of 0.016 with it in fp32.
+
+Per-token activation quantization is where the error comes from (a few input channels carry
+outliers that flatten every other channel to a few levels). SmoothQuant's remedy (Xiao et al.,
+2023) is applied per linear: one forward over a fixed calibration text records each input
+channel's largest |x|; the channel is divided by s = |x|max^0.5 / |w|max^0.5 before quantizing and
+the weight's column multiplied by it, which moves the outliers into the weights, where per-channel
+scales absorb them. Measured on SmolLM2-135M against fp32 over ~240 tokens of mixed text
+(calibrated on a different text): top-1 agreement 0.90 -> 0.94, mean KL 0.041 -> 0.016;
+weight-only int8 alone is 0.97 / 0.004.
+
+The model classes stay transformers' own: only leaf modules are replaced, so the paged attention,
+`generate` and the tests' HF reference all run the same quantized model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8")
+
+# The range a symmetric int8 scale maps onto; -128 is left unused so that x and -x quantize alike.
+_QMAX = 127.0
+SMOOTHING_ALPHA = 0.5  # 0.3 / 0.5 / 0.65 / 0.8 measured: KL 0.025 / 0.016 / 0.020 / 0.050
+
+# Calibration text: chat, code, numbers, markup. Fixed, so the same model quantizes the same way on
+# every start (the tests' HF reference re-quantizes its own copy and must get identical weights).
+CALIBRATION_TEXT = (
+    "You are a helpful assistant. Answer the user's questions clearly and briefly. "
+    "User: How do I sort a list in Python? Assistant: Use sorted(items) for a new list or items.sort() in place. "
+    "User: Summarize the water cycle. Assistant: Water evaporates, condenses into clouds, falls as rain or snow, "
+    'and flows back to the sea. 1, 2, 3, 4, 5. {"name": "value", "n": 42} <html><body>Hello</body></html>'
+)
+
+
+class QuantizationError(ValueError):
+    """A quantization this runner cannot apply (unknown name, unsupported device)."""
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b) with W in int8 (per-output-channel scales) and x quantized per row.
+
+    With `input_absmax` (each input channel's calibrated largest |x|), x is smoothed first:
+    y = (x / s) (W s)^T, so outlier channels are carried by the weight instead of the activation."""
+
+    def __init__(self, linear: nn.Linear, input_absmax: torch.Tensor | None = None,
+                 alpha: float = SMOOTHING_ALPHA) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        inv_smooth = None
+        if input_absmax is not None:
+            smooth = (input_absmax.float().clamp(min=1e-5).pow(alpha)
+                      / w.abs().amax(dim=0).clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+            w = w * smooth
+            inv_smooth = 1.0 / smooth
+        self.register_buffer("input_inv_smooth", inv_smooth)
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / _QMAX
+        # Stored as [in, out] contiguous: the layout `_int_mm` wants for its right operand.
+        self.register_buffer("qweight_t", torch.round(w / scale[:, None]).to(torch.int8).t().contiguous())
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        if self.input_inv_smooth is not None:
+            x2 = x2 * self.input_inv_smooth
+        row_max = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+        xq = (x2 * (_QMAX / row_max)).round_().to(torch.int8)
+        y = torch._int_mm(xq, self.qweight_t).float()
+        y.mul_(row_max * (1.0 / _QMAX)).mul_(self.weight_scale)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel W, per-row A"
+
+
+def quantize_linears(model: nn.Module, quantization: str | None, device: torch.device,
+                     calibration_ids: list[int] | None = None) -> int:
+    """Apply `quantization` in place to the decoder layers' linears; returns how many were replaced.
+    With `calibration_ids` (e.g. the tokenized CALIBRATION_TEXT) the activations are smoothed."""
+    q = quantization or "none"
+    if q not in QUANTIZATIONS:
+        raise QuantizationError(f"quantization {q!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    if q == "none":
+        return 0
+    if device.type != "cpu":
+        # torch._int_mm on CUDA needs more than 16 rows and has not been validated here; bf16 is
+        # the weight format to use on a GPU.
+        raise QuantizationError(f"int8 weights are implemented for the CPU only (device {device.type}); use bf16")
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if layers is None:
+        raise QuantizationError(f"{type(model).__name__} has no decoder layers to quantize")
+    targets = [(parent, name, child) for layer in layers for parent in layer.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        targets.append((model, "lm_head", model.lm_head))
+    absmax = _input_absmax(model, [c for _, _, c in targets], calibration_ids, device) if calibration_ids else {}
+    for parent, name, child in targets:
+        setattr(parent, name, Int8Linear(child, absmax.get(id(child))))
+    return len(targets)
+
+
+def _input_absmax(model: nn.Module, linears: list[nn.Linear], ids: list[int],
+                  device: torch.device) -> dict[int, torch.Tensor]:
+    """Each linear's per-input-channel max |x| over one forward of `ids`."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def record(module: nn.Module, inputs: tuple[torch.Tensor, ...], _output: torch.Tensor) -> None:
+        x = inputs[0].detach()
+        seen[id(module)] = x.abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+
+    hooks = [lin.register_forward_hook(record) for lin in linears]
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
