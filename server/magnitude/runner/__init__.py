@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads libgomp: idle OpenMP threads sleep instead of spinning. On a CPU host shared
-# with other processes, spinning threads made a 2-thread step 20x slower than passive ones
-# (8.9 s vs 0.42 s measured here for 8 decodes + a 64-token chunk). Override by setting it yourself.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads libgomp: an idle OpenMP worker spins only briefly (GOMP_SPINCOUNT 1000, a few
+# microseconds) and then sleeps. Measured here, 2 threads, 12 decodes + a 48-token chunk
+# (`bench/step_profile.py`): on a quiet host fully passive workers cost a KVM wake-up per parallel
+# region (fp32 279 ms, int8 254 ms a step) where a short spin gives 176 / 91 ms; with both cores
+# busy with other processes the short spin costs 336 / 296 ms against passive's 291 / 172, while
+# unbounded spinning (OMP_WAIT_POLICY=ACTIVE) made steps 2-20x slower. Set OMP_WAIT_POLICY or
+# GOMP_SPINCOUNT yourself to override (PASSIVE on an oversubscribed host).
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "1000"
 
 
 def __getattr__(name: str):
