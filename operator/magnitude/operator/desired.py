@@ -22,8 +22,8 @@ from magnitude.operator.spec import API_VERSION, KIND, ModelServiceSpec, ModelSe
 # Endpoints take a moment to drop a terminating pod; keep serving through that gap before SIGTERM.
 PRESTOP_SLEEP_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
-# Quantizations `magnitude serve` expresses as a dtype flag; the rest travel as MAGNITUDE_QUANTIZATION.
-DTYPE_ARGS: dict[str, list[str]] = {"bf16": ["--dtype", "bfloat16"]}
+# How `magnitude serve` is told each quantization (the name also travels as MAGNITUDE_QUANTIZATION).
+QUANTIZATION_ARGS: dict[str, list[str]] = {"bf16": ["--dtype", "bfloat16"], "int8": ["--quantization", "int8"]}
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
         "--host", "0.0.0.0",
         "--port", str(n.ENGINE_PORT),
         "--shutdown-grace", str(spec.drain_seconds),
-        *DTYPE_ARGS.get(spec.quantization, []),
+        *QUANTIZATION_ARGS.get(spec.quantization, []),
         *spec.extra_args,
     ]
     container = {

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from magnitude.operator.spec import ModelServiceSpec
 
 # What `magnitude serve` can load today. Widen these as the runner learns more.
-ENGINE_QUANTIZATIONS = frozenset({"none", "bf16"})
+ENGINE_QUANTIZATIONS = frozenset({"none", "bf16", "int8"})
 ENGINE_LOADS_DRAFT_MODELS = False
 GPU_ONLY_QUANTIZATIONS = frozenset({"fp8"})
+# The engine's int8 path is W8A8 through torch._int_mm, validated on CPU only (runner/quantize.py).
+CPU_ONLY_QUANTIZATIONS = frozenset({"int8"})
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
     if spec.quantization in GPU_ONLY_QUANTIZATIONS and spec.resources.gpus == 0:
         problems.append(Problem("spec.quantization",
                                 f"{spec.quantization} needs spec.resources.gpus >= 1 (no {spec.quantization} kernels on CPU)"))
+    elif spec.quantization in CPU_ONLY_QUANTIZATIONS and spec.resources.gpus > 0:
+        problems.append(Problem("spec.quantization",
+                                f"the engine's {spec.quantization} weights run on the CPU only; "
+                                "use bf16 with spec.resources.gpus >= 1, or set gpus to 0"))
     elif spec.quantization not in ENGINE_QUANTIZATIONS:
         problems.append(Problem("spec.quantization",
                                 f"the engine cannot load {spec.quantization} weights yet "
