@@ -1,4 +1,4 @@
-"""`magnitude serve --runner simulated` as a real process: config errors, graceful SIGTERM."""
+"""`magnitude serve` as a real process: config errors, graceful SIGTERM, int8 weights from the flag."""
 
 from __future__ import annotations
 
@@ -26,6 +26,19 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{ROOT / 'server'}:{ROOT / 'operator'}"}
 
 
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        try:
+            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"server on {url} did not become ready in {timeout}s")
+
+
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     cfg = tmp_path / "engine.yaml"
     cfg.write_text("scheduler:\n  tokenBudget: -4\n")
@@ -47,15 +60,7 @@ def test_sigterm_finishes_in_flight_work_and_exits_0() -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("simulated server did not become ready")
+        wait_ready(url, proc, 60)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
             model="simulated", messages=[{"role": "user", "content": "hi"}], max_tokens=60, stream=True
@@ -102,3 +107,28 @@ def test_itl_target_derives_the_chunk_from_the_cost_model(tmp_path: Path) -> Non
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.model
+def test_quantization_int8_serves_the_real_model() -> None:
+    """The flag the operator sets for `quantization: int8` reaches the runner and the model still answers."""
+    port = free_port()
+    proc = subprocess.Popen(serve_cmd("--port", str(port), "--quantization", "int8", "--set", "kvCache.numBlocks=64"),
+                            env={**env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, 300)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        reply = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+        assert "Paris" in reply.choices[0].text
+        assert 'quantization="int8"' in httpx.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_unknown_quantization_exits_2() -> None:
+    r = subprocess.run(serve_cmd("--quantization", "int4"), env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--quantization" in r.stderr and "int8" in r.stderr

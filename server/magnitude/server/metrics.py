@@ -63,6 +63,8 @@ class EngineMetrics:
         self.shed_classes = g("admission_shed_classes", "Number of priority classes currently shed.")
         self.engine_ready = g("engine_ready", "1 when the model is loaded and the engine loop runs.")
         self.model_load_seconds = g("model_load_seconds", "Seconds the model took to load at startup.")
+        self.model_info = g("model_info", "1 for the loaded model; labels say what it is and how it runs.",
+                            ("model", "device", "dtype", "quantization"))
 
         lat = ("priority_class", "tenant")
         h = lambda name, doc, buckets, labels=lat: Histogram(  # noqa: E731
@@ -129,6 +131,9 @@ class EngineMetrics:
             self.e2e.labels(*labels).observe(max(0.0, rec.finished - rec.arrival))
 
     # -- state ------------------------------------------------------------------------------
+    def set_model_info(self, model: str, device: str, dtype: str, quantization: str) -> None:
+        self.model_info.labels(model, device, dtype, quantization).set(1)
+
     def set_shedding(self, shed_classes: Iterable[str]) -> None:
         n = len(list(shed_classes))
         self.admission_shedding.set(1 if n else 0)
