@@ -154,6 +154,11 @@ def _status_name(status: Any) -> str:
     )
 
 
+def _deliver(batch: list[tuple[asyncio.Queue, list[Any]]]) -> None:
+    for queue, events in batch:
+        queue.put_nowait(events)
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -215,6 +220,9 @@ class AsyncEngine:
             self.loop.start()
             self.load_seconds = time.monotonic() - t0
             self.metrics.model_load_seconds.set(self.load_seconds)
+            self.metrics.set_model_info(self.model_name, str(getattr(runner, "device", "none")),
+                                        str(getattr(runner, "dtype", "none")).removeprefix("torch."),
+                                        getattr(runner, "quantization", "none"))
             self.metrics.engine_ready.set(1)
             self.phase, self.phase_progress = "ready", 1.0
             log.info("engine ready: %s in %.1fs", self.model_name, self.load_seconds)
@@ -505,14 +513,18 @@ class AsyncEngine:
                 tr.events.append(Progress("queued", {"position": pos}))
 
     def _flush(self) -> None:
+        """Hand this step's events to the streams with one wake-up of the event loop, not one per request."""
         assert self._aio is not None
+        batch = []
         for rid in list(self._tracked):
             tr = self._tracked[rid]
             if tr.events:
-                events, tr.events = tr.events, []
-                try:
-                    self._aio.call_soon_threadsafe(tr.stream._queue.put_nowait, events)
-                except RuntimeError:  # event loop closed during shutdown
-                    pass
+                batch.append((tr.stream._queue, tr.events))
+                tr.events = []
             if tr.done:
                 del self._tracked[rid]
+        if batch:
+            try:
+                self._aio.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # event loop closed during shutdown
+                pass
