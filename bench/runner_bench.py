@@ -12,7 +12,8 @@ Systems (started one at a time on 127.0.0.1, killed after their traces):
 - magnitude-bf16: the same with bf16 weights (`--dtype bfloat16`; KV cache and attention stay fp32);
 - magnitude-int8: the same with int8 linears (`--quantization int8`: W8A8 with SmoothQuant
   calibration; embeddings, norms, KV cache and attention stay fp32);
-- hf: bench/hf_static_server.py, stock `generate` on padded groups of 8 (static batching);
+- hf: bench/hf_static_server.py, stock `generate` on padded groups of 8 (static batching), fp32;
+- hf-int8: the same on the int8 weights Magnitude's `--quantization int8` serves;
 - llama: llama.cpp's own `llama-server`, 8 parallel slots, continuous batching, the same GGUF.
 Client: bench/loadgen.py (token-id prompts of exact length, `ignore_eos`, exact output lengths).
 
@@ -96,11 +97,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
 # Magnitude variants: serve flags, and the token budget per step (the prefill chunk is the same).
 # The budget is the step cap that matters: a chunk gets what the decodes leave of it. The long
 # trace's worst step is 12 decodes + a chunk deep in the 1,500-token prompt, measured with
-# `bench/step_profile.py --decodes 12 --context 100 --prefill N --prefill-start 1300`; each budget
-# keeps that step near 0.2 s so no running stream stalls 0.3 s (see docs/runner.md).
+# `bench/step_profile.py --decodes 12 --context 100 --prefill N --prefill-start 1400`; each budget
+# keeps that step near 0.2 s so no running stream stalls 0.3 s (see docs/runner.md). Sweeps on a
+# quiet host (mixed req/s; long trace: long-prompt TTFT, longest in-chat stall):
+#   fp32  48: 1.05, 9.0 s, 0.24 s    64: 1.03, 7.8 s, 0.27 s (mixed stall 0.31 s)
+#   bf16  48: 1.52, 6.0 s, 0.23 s    64: 2.03, 3.8 s, 0.22 s    80: 2.19, 3.8 s, 0.28 s
+#   int8  96: 1.99, 2.8 s, 0.19 s   128: 2.54, 2.5 s, 0.24 s
 MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int]] = {
     "magnitude": (["--dtype", "float32"], 48),
-    "magnitude-bf16": (["--dtype", "bfloat16"], 48),
+    "magnitude-bf16": (["--dtype", "bfloat16"], 64),
     "magnitude-int8": (["--dtype", "float32", "--quantization", "int8"], 128),
 }
 
@@ -115,9 +120,9 @@ def server_command(system: str, port: int, args: argparse.Namespace, gguf: Path)
         for s in sets:
             cmd += ["--set", s]
         return cmd
-    if system == "hf":
+    if system in ("hf", "hf-int8"):
         return [PY, str(ROOT / "bench" / "hf_static_server.py"), "--port", str(port), "--batch", "8",
-                "--threads", str(args.threads)]
+                "--threads", str(args.threads), "--quantization", "int8" if system == "hf-int8" else "none"]
     if system == "llama":
         return [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
                 "-cb", "-c", str(8 * 2048), "-t", str(args.threads), "-tb", str(args.threads), "--no-webui"]
@@ -180,21 +185,22 @@ def print_table(all_results: dict) -> None:
     for trace in ("mixed", "long"):
         print(f"\n== trace {trace} ==")
         mags = [s for s in all_results if s.startswith("magnitude")]
+        peers = [b for b in ("llama", "hf", "hf-int8") if b in all_results]
         print(f"{'metric':20}" + "".join(f"{s:>15}" for s in all_results) + "   ratios: "
-              + ", ".join(f"{m}/{b}" for m in mags for b in ("llama", "hf")))
+              + ", ".join(f"{m}/{b}" for m in mags for b in peers))
         for k in keys:
             vals = {s: all_results[s].get(trace, {}).get(k) for s in all_results}
             if all(v is None for v in vals.values()):
                 continue
             row = f"{k:20}" + "".join(f"{(v if v is not None else float('nan')):15.3f}" for v in vals.values())
             ratios = [f"{vals[m] / vals[b]:.2f}x" if vals.get(m) is not None and vals.get(b) else "-"
-                      for m in mags for b in ("llama", "hf")]
+                      for m in mags for b in peers]
             print(row + "   " + ", ".join(ratios))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="magnitude,magnitude-bf16,magnitude-int8,hf,llama")
+    p.add_argument("--systems", default="magnitude,magnitude-bf16,magnitude-int8,hf,hf-int8,llama")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
     p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-runner"))
