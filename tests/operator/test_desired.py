@@ -74,10 +74,10 @@ def test_deployment_runs_magnitude_serve_with_probes_drain_and_gpus() -> None:
     assert env[n.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"]["name"] == n.admin_secret_name("chat")
 
 
-
 def test_int8_quantization_reaches_the_engine_as_a_flag() -> None:
     c = container(d.build_deployment(OWNER, spec(quantization="int8"), 1))
     assert c["args"][c["args"].index("--quantization") + 1] == "int8" and "--dtype" not in c["args"]
+
 
 def test_cpu_deployment_requests_no_gpu() -> None:
     c = container(d.build_deployment(OWNER, spec(), 1))

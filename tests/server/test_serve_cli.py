@@ -110,15 +110,20 @@ def test_itl_target_derives_the_chunk_from_the_cost_model(tmp_path: Path) -> Non
 
 
 @pytest.mark.model
-def test_quantization_int8_serves_the_real_model() -> None:
+def test_quantization_int8_serves_the_real_model(tmp_path: Path) -> None:
     """The flag the operator sets for `quantization: int8` reaches the runner and the model still answers."""
     port = free_port()
-    proc = subprocess.Popen(serve_cmd("--port", str(port), "--quantization", "int8", "--set", "kvCache.numBlocks=64"),
-                            env={**env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:  # a file, not a pipe nobody reads: loading logs could fill a pipe and block
+        proc = subprocess.Popen(serve_cmd("--port", str(port), "--quantization", "int8", "--set", "kvCache.numBlocks=64"),
+                                env={**env(), "OMP_NUM_THREADS": "1"}, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc, 300)
+        try:
+            wait_ready(url, proc, 300)
+        except BaseException:
+            print(log.read_text()[-4000:])
+            raise
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
         reply = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)

@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: automatic)")
     p.add_argument("--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--quantization", choices=("none", "int8"), default="none",
-                   help="int8: W8A8 decoder-layer linears (CPU only; LM head, norms and KV cache keep --dtype)")
+                   help="int8: W8A8 decoder linears and LM head, SmoothQuant-calibrated (CPU only; "
+                   "embeddings, norms, attention and the KV cache keep --dtype)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 

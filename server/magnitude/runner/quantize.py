@@ -1,4 +1,4 @@
-"""Int8 weight quantization of the transformer layers' linear projections (W8A8, CPU).
+"""Int8 quantization of the decoder's linear projections and the LM head (W8A8, CPU).
 
 `quantize_linears(model, "int8", device, calibration_ids)` swaps every `nn.Linear` inside the
 decoder layers (q/k/v/o and the MLP's gate/up/down) and the LM head for an `Int8Linear`: weights
@@ -90,7 +90,8 @@ class Int8Linear(nn.Module):
 
 def quantize_linears(model: nn.Module, quantization: str | None, device: torch.device,
                      calibration_ids: list[int] | None = None) -> int:
-    """Apply `quantization` in place to the decoder layers' linears; returns how many were replaced.
+    """Apply `quantization` in place to the decoder layers' linears and the LM head; returns how
+    many modules were replaced.
     With `calibration_ids` (e.g. the tokenized CALIBRATION_TEXT) the activations are smoothed."""
     q = quantization or "none"
     if q not in QUANTIZATIONS:
