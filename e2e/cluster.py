@@ -46,6 +46,7 @@ def pod_cidr_for(pid: int) -> str:
     return f"127.{100 + pid % 150}.{(pid // 150) % 256}.0/24"
 
 NODE_NAME = "kwok-node-0"
+IP_POOL_WARMUP_POD = "kwok-ip-pool-warmup"
 SERVICE_CIDR = "10.96.0.0/16"
 
 
@@ -289,10 +290,27 @@ class Cluster:
             self._wait("kwok node", self._node_ready, timeout)
             self._wait("default service account", lambda: bool(
                 self.kubectl("get", "serviceaccount", "default", "-o", "name", check=False).strip()), timeout)
+            self._warm_ip_pool(timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _warm_ip_pool(self, timeout: float) -> None:
+        """Have kwok create the node's pod IP pool with one pod before any test creates several.
+
+        kwok v0.8.0 creates a CIDR's pool with an unsynchronised load-or-store
+        (`PodController.ipPool`): two pods made Running at once on a fresh kwok can each get a new
+        pool and both receive the pool's first address (seen in CI: two replicas on 127.x.y.1).
+        Once the pool exists every allocation goes through its mutex."""
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": IP_POOL_WARMUP_POD, "namespace": "default"},
+               "spec": {"nodeName": NODE_NAME, "automountServiceAccountToken": False,
+                        "containers": [{"name": "warmup", "image": "none"}]}}
+        self.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        self._wait("kwok pod IP pool", lambda: bool(self.kubectl(
+            "get", "pod", IP_POOL_WARMUP_POD, "-n", "default", "-o", "jsonpath={.status.podIP}").strip()), timeout)
+        self.kubectl("delete", "pod", IP_POOL_WARMUP_POD, "-n", "default", "--wait=true", f"--timeout={int(timeout)}s")
 
     def _node_ready(self) -> bool:
         node = json.loads(self.kubectl("get", "node", NODE_NAME, "-o", "json"))
