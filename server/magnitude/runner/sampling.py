@@ -1,8 +1,12 @@
 """Token sampling from one step's logits: greedy, temperature, top-k, top-p, seeds, logprobs, drafts.
 
-Greedy rows are decided in one vectorised argmax. Random rows are sampled one request at a time
-(a per-request loop, never per token) because each may carry its own seed: a seeded request draws
-from `Generator(seed, output index)`, so its tokens do not depend on what else shares the step.
+Greedy rows are decided in one vectorised argmax. Random rows are filtered together (temperature,
+top-k, top-p as batched tensor ops, each row by its own parameters) and drawn together by inverse
+CDF: one uniform per row, one `cumsum`, one `searchsorted`. A seeded request's uniform comes from
+`Generator(seed, output index)`, so its tokens do not depend on what else shares the step. Top-p
+looks for the nucleus among the NUCLEUS_CANDIDATES most likely tokens and sorts the whole vocabulary
+only for a row whose nucleus is wider. 32 rows of a 49k vocabulary, 2 threads
+(`bench/sampler_bench.py`): top-p 0.9 took 181 ms row by row (full sort + `multinomial`), 24 ms here.
 Logprobs are those of the model's raw distribution (before temperature / top-k / top-p), as
 OpenAI reports them. Stop token ids and stop strings are the scheduler's and output processor's.
 """
@@ -15,6 +19,7 @@ from magnitude.engine.output import SampledToken
 from magnitude.engine.sampling import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the 64-bit space
+NUCLEUS_CANDIDATES = 1024
 
 
 def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -23,19 +28,42 @@ def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Gener
     return g
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to one row of float32 logits; returns the new row."""
-    row = logits / params.temperature
-    if params.top_k > 0 and params.top_k < row.shape[-1]:
-        kth = torch.topk(row, params.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        row = row.scatter(0, order[drop], float("-inf"))
-    return row
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, applied to each row of float32 logits [R, V] by
+    `params[row]`; returns new logits with the filtered tokens at -inf."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    out = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)[:, None]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        top = torch.topk(out, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=device)[:, None])
+        kth.masked_fill_(torch.tensor([k == 0 for k in ks], device=device)[:, None], float("-inf"))
+        out = out.masked_fill(out < kth, float("-inf"))  # ties with the k-th value stay
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        rows = out[nucleus]
+        probs = torch.softmax(rows, dim=-1)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=probs.dtype, device=device)[:, None]
+        cand_p, cand_i = torch.topk(probs, min(vocab, NUCLEUS_CANDIDATES), dim=-1)
+        mass_before = torch.cumsum(cand_p, dim=-1) - cand_p
+        if cand_p.shape[-1] < vocab and not bool((mass_before[:, -1:] + cand_p[:, -1:] >= top_p).all()):
+            # Some nucleus is wider than the candidates: rank the whole vocabulary.
+            cand_p, cand_i = torch.sort(probs, dim=-1, descending=True)
+            mass_before = torch.cumsum(cand_p, dim=-1) - cand_p
+        # Drop a token when the tokens ranked above it already reach top_p (the top token always
+        # stays); tokens outside the candidates are below a prefix that already reached it.
+        kept = rows.gather(1, cand_i).masked_fill(mass_before >= top_p, float("-inf"))
+        out[nucleus] = torch.full_like(rows, float("-inf")).scatter(1, cand_i, kept)
+    return out
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """Inverse-CDF sampling: row r takes the first token whose cumulative probability exceeds
+    uniforms[r] * (row total). A zero-probability token is never chosen: its CDF step is flat."""
+    cdf = torch.cumsum(probs, dim=-1)
+    picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
+    return picked.clamp_(max=probs.shape[-1] - 1).tolist()
 
 
 def _logprob_info(logprobs_row: torch.Tensor, token: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -61,12 +89,18 @@ class Sampler:
         """One token per row. `steps[i]` is the request's output index (seeded draws use it)."""
         logits = logits.float()
         tokens = torch.argmax(logits, dim=-1).tolist()
-        for i, p in enumerate(params):
-            if p.greedy:
-                continue
-            probs = torch.softmax(filter_logits(logits[i], p), dim=-1)
-            gen = seeded_generator(p.seed, steps[i], logits.device) if p.seed is not None else self._rng
-            tokens[i] = int(torch.multinomial(probs, 1, generator=gen))
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            return tokens
+        probs = torch.softmax(filter_logits(logits[random_rows], [params[i] for i in random_rows]), dim=-1)
+        uniforms = torch.rand(len(random_rows), generator=self._rng, device=logits.device)
+        for j, i in enumerate(random_rows):
+            seed = params[i].seed
+            if seed is not None:
+                uniforms[j] = torch.rand(1, generator=seeded_generator(seed, steps[i], logits.device),
+                                         device=logits.device)[0]
+        for i, token in zip(random_rows, draw(probs, uniforms)):
+            tokens[i] = token
         return tokens
 
     def sample(

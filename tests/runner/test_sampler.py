@@ -1,0 +1,90 @@
+"""The batched sampler on synthetic logits (no model): each row obeys its own parameters, seeded
+rows do not depend on the batch, and random rows follow the filtered distribution."""
+
+from __future__ import annotations
+
+import pytest
+
+from magnitude.engine.sampling import SamplingParams
+
+torch = pytest.importorskip("torch")
+
+from magnitude.runner.sampling import Sampler, filter_logits  # noqa: E402
+
+VOCAB = 50
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=g) * 3
+
+
+def test_each_row_keeps_exactly_what_its_own_filters_allow():
+    logits = _logits(4)
+    logits[2, 7] = logits[2, 9] = 50.0  # a tie at the top: top_k=1 keeps both
+    params = [SamplingParams(temperature=0.5, top_k=3), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=2.0)]
+    out = filter_logits(logits, params)
+    kept = [set(torch.isfinite(row).nonzero()[:, 0].tolist()) for row in out]
+    assert kept[0] == set(torch.topk(logits[0], 3).indices.tolist())
+    # top_p: the smallest prefix of the sorted distribution whose mass reaches 0.5
+    probs, order = torch.sort(torch.softmax(logits[1], -1), descending=True)
+    n = int((torch.cumsum(probs, -1) < 0.5).sum()) + 1
+    assert kept[1] == set(order[:n].tolist())
+    assert kept[2] == {7, 9}
+    assert kept[3] == set(range(VOCAB))
+    assert torch.allclose(out[0][list(kept[0])], logits[0][list(kept[0])] / 0.5)
+    assert torch.allclose(out[3], logits[3] / 2.0)
+
+
+def test_greedy_rows_take_the_argmax_and_seeded_rows_ignore_their_neighbours():
+    logits = _logits(5, seed=1)
+    hot = SamplingParams(temperature=1.3, top_p=0.9, seed=7)
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    params = [SamplingParams(temperature=0.0), hot, SamplingParams(temperature=1.0), SamplingParams(temperature=0.7,
+                                                                                                  top_k=5), hot]
+    steps = [0, 3, 0, 0, 3]
+    tokens = sampler.choose(logits, params, steps)
+    assert tokens[0] == int(torch.argmax(logits[0]))
+    alone = Sampler(torch.device("cpu"), seed=123).choose(logits[1:2], [hot], [3])[0]
+    assert tokens[1] == alone
+    # Same seed and output index on another row of logits: drawn from that row, same generator state.
+    assert tokens[4] == Sampler(torch.device("cpu")).choose(logits[4:5], [hot], [3])[0]
+    assert tokens[3] in set(torch.topk(logits[3], 5).indices.tolist())
+
+
+def test_unseeded_rows_follow_the_filtered_distribution():
+    # 4,000 draws of one row batched with others: frequencies within 3.5 sigma of softmax(logits / T).
+    logits = _logits(1, seed=2)[0] / 3
+    params = SamplingParams(temperature=0.8, top_k=6)
+    sampler = Sampler(torch.device("cpu"), seed=5)
+    batch = logits.repeat(8, 1)
+    counts = torch.zeros(VOCAB)
+    for _ in range(500):
+        for t in sampler.choose(batch, [params] * 8, [0] * 8):
+            counts[t] += 1
+    expected = torch.softmax(filter_logits(logits[None], [params])[0], -1)
+    n = counts.sum()
+    sigma = torch.sqrt(n * expected * (1 - expected)).clamp(min=1.0)
+    assert counts[expected == 0].sum() == 0
+    assert bool(((counts - n * expected).abs() <= 3.5 * sigma).all()), (counts, n * expected)
+
+
+def _reference_nucleus(row: torch.Tensor, top_p: float) -> set[int]:
+    probs, order = torch.sort(torch.softmax(row, -1), descending=True)
+    return set(order[(torch.cumsum(probs, -1) - probs) < top_p].tolist())
+
+
+def test_top_p_matches_a_full_sort_whether_the_nucleus_fits_the_candidates_or_not():
+    from magnitude.runner.sampling import NUCLEUS_CANDIDATES
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 4 * NUCLEUS_CANDIDATES
+    peaky, flat = torch.randn(vocab, generator=g) * 8, torch.randn(vocab, generator=g) * 0.01
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 2
+    out = filter_logits(torch.stack([peaky, flat]), params)
+    kept = [set(torch.isfinite(row).nonzero()[:, 0].tolist()) for row in out]
+    assert kept[0] == _reference_nucleus(peaky, 0.9) and len(kept[0]) < NUCLEUS_CANDIDATES
+    assert kept[1] == _reference_nucleus(flat, 0.9) and len(kept[1]) > NUCLEUS_CANDIDATES
+    # Alone, the peaky row takes the candidate path; batched with the flat one, the full sort.
+    assert set(torch.isfinite(filter_logits(peaky[None], params[:1])[0]).nonzero()[:, 0].tolist()) == kept[0]
