@@ -169,6 +169,10 @@ def test_2_cpu_example_serves_the_real_model(kube, operator, kubelet) -> None:
         "model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] > 0
+    # The spec's weight format reached the engine (the operator turns it into a serve flag).
+    info = [line for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+            if line.startswith("magnitude_model_info{")]
+    assert len(info) == 1 and f'quantization="{ms["spec"].get("quantization", "none")}"' in info[0], info
     # Printer columns.
     table = kube.run("get", "msvc", name, "-n", NS).stdout.splitlines()
     header, row = table[0].split(), table[1].split()
