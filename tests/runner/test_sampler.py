@@ -88,3 +88,46 @@ def test_top_p_matches_a_full_sort_whether_the_nucleus_fits_the_candidates_or_no
     assert kept[1] == _reference_nucleus(flat, 0.9) and len(kept[1]) > NUCLEUS_CANDIDATES
     # Alone, the peaky row takes the candidate path; batched with the flat one, the full sort.
     assert set(torch.isfinite(filter_logits(peaky[None], params[:1])[0]).nonzero()[:, 0].tolist()) == kept[0]
+
+
+def test_a_rows_nucleus_does_not_depend_on_its_batch_even_with_ties():
+    # bf16-rounded logits (what a bf16 model produces) tie often; a flat row in the batch forces
+    # the full-sort path. Each row must keep the same tokens alone and batched.
+    from magnitude.runner.sampling import NUCLEUS_CANDIDATES
+
+    g = torch.Generator().manual_seed(4)
+    vocab = 4 * NUCLEUS_CANDIDATES
+    rows = (torch.randn(40, vocab, generator=g) * 3).bfloat16().float()
+    flat = torch.randn(1, vocab, generator=g) * 0.01
+    params = [SamplingParams(temperature=1.0, top_p=0.5)]
+    batched = filter_logits(torch.cat([rows, flat]), params * 41)[:40]
+    for row, together in zip(rows, batched):
+        alone = filter_logits(row[None], params)[0]
+        assert torch.equal(torch.isfinite(alone), torch.isfinite(together))
+
+
+def test_top_p_draws_follow_the_nucleus_distribution():
+    logits = _logits(1, seed=6)[0] / 2
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    sampler = Sampler(torch.device("cpu"), seed=8)
+    counts = torch.zeros(VOCAB)
+    for _ in range(500):
+        for t in sampler.choose(logits.repeat(8, 1), [params] * 8, [0] * 8):
+            counts[t] += 1
+    expected = torch.softmax(filter_logits(logits[None], [params])[0], -1)
+    n = counts.sum()
+    assert counts[expected == 0].sum() == 0 and int((expected > 0).sum()) > 1
+    assert bool(((counts - n * expected).abs() <= 3.5 * torch.sqrt(n * expected * (1 - expected)).clamp(min=1.0)).all())
+
+
+def test_broken_probabilities_fail_loudly_instead_of_picking_a_token():
+    from magnitude.runner.sampling import draw
+
+    probs = torch.softmax(_logits(3, seed=7), -1)
+    probs[1, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"rows \[1\]"):
+        draw(probs, torch.rand(3))
+    logits = _logits(2, seed=7)
+    logits[0, 3] = float("inf")
+    with pytest.raises(ValueError, match="NaN"):
+        Sampler(torch.device("cpu"), seed=0).choose(logits, [SamplingParams(temperature=1.0)] * 2, [0, 0])

@@ -5,8 +5,9 @@ top-k, top-p as batched tensor ops, each row by its own parameters) and drawn to
 CDF: one uniform per row, one `cumsum`, one `searchsorted`. A seeded request's uniform comes from
 `Generator(seed, output index)`, so its tokens do not depend on what else shares the step. Top-p
 looks for the nucleus among the NUCLEUS_CANDIDATES most likely tokens and sorts the whole vocabulary
-only for a row whose nucleus is wider. 32 rows of a 49k vocabulary, 2 threads
-(`bench/sampler_bench.py`): top-p 0.9 took 181 ms row by row (full sort + `multinomial`), 24 ms here.
+only for the rows whose nucleus is wider; the nucleus is a probability threshold, so tied tokens
+at its edge all stay (as top-k keeps ties with the k-th value). 32 rows of a 49k vocabulary, 2 threads
+(`bench/sampler_bench.py`): top-p 0.9 took 166 ms row by row (full sort + `multinomial`), 27 ms here.
 Logprobs are those of the model's raw distribution (before temperature / top-k / top-p), as
 OpenAI reports them. Stop token ids and stop strings are the scheduler's and output processor's.
 """
@@ -45,25 +46,41 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         rows = out[nucleus]
         probs = torch.softmax(rows, dim=-1)
         top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=probs.dtype, device=device)[:, None]
-        cand_p, cand_i = torch.topk(probs, min(vocab, NUCLEUS_CANDIDATES), dim=-1)
-        mass_before = torch.cumsum(cand_p, dim=-1) - cand_p
-        if cand_p.shape[-1] < vocab and not bool((mass_before[:, -1:] + cand_p[:, -1:] >= top_p).all()):
-            # Some nucleus is wider than the candidates: rank the whole vocabulary.
-            cand_p, cand_i = torch.sort(probs, dim=-1, descending=True)
-            mass_before = torch.cumsum(cand_p, dim=-1) - cand_p
-        # Drop a token when the tokens ranked above it already reach top_p (the top token always
-        # stays); tokens outside the candidates are below a prefix that already reached it.
-        kept = rows.gather(1, cand_i).masked_fill(mass_before >= top_p, float("-inf"))
-        out[nucleus] = torch.full_like(rows, float("-inf")).scatter(1, cand_i, kept)
+        out[nucleus] = rows.masked_fill(probs < nucleus_threshold(probs, top_p), float("-inf"))
     return out
+
+
+def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` [R, V], the smallest probability in the top-p nucleus ([R, 1]): tokens
+    are taken from the most likely down while the ones before them hold less than top_p (the top
+    token always). Defined by values alone, so tokens tied with it all stay and the result depends
+    neither on how ties are ordered nor on whether the candidates or the full sort found it: both
+    sum the same descending values in the same order."""
+    k = min(probs.shape[-1], NUCLEUS_CANDIDATES)
+    ranked = torch.topk(probs, k, dim=-1).values
+    wide = torch.cumsum(ranked, dim=-1)[:, -1] < top_p[:, 0]  # the nucleus goes past the candidates
+    threshold = _threshold_of_ranked(ranked, top_p)
+    if k < probs.shape[-1] and bool(wide.any()):
+        full = torch.sort(probs[wide], dim=-1, descending=True).values
+        threshold[wide] = _threshold_of_ranked(full, top_p[wide])
+    return threshold
+
+
+def _threshold_of_ranked(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    inside = (torch.cumsum(ranked, dim=-1) - ranked) < top_p  # a prefix, at least one token long
+    return ranked.gather(1, inside.sum(dim=-1, keepdim=True) - 1)
 
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     """Inverse-CDF sampling: row r takes the first token whose cumulative probability exceeds
-    uniforms[r] * (row total). A zero-probability token is never chosen: its CDF step is flat."""
-    cdf = torch.cumsum(probs, dim=-1)
-    picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
-    return picked.clamp_(max=probs.shape[-1] - 1).tolist()
+    uniforms[r] * (row total). A zero-probability token is never chosen: its CDF step is flat.
+    The CDF is summed in float64: in float32, 49k small terms round away thousands of tokens."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    total = cdf[:, -1]
+    bad = ~(torch.isfinite(total) & (total > 0))
+    if bool(bad.any()):
+        raise ValueError(f"sampling rows {bad.nonzero()[:, 0].tolist()}: probabilities are NaN, infinite or all zero")
+    return torch.searchsorted(cdf, (uniforms.double() * total)[:, None], right=True)[:, 0].tolist()
 
 
 def _logprob_info(logprobs_row: torch.Tensor, token: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:
