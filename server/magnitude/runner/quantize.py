@@ -4,18 +4,19 @@
 decoder layers (q/k/v/o and the MLP's gate/up/down) and the LM head for an `Int8Linear`: weights
 int8 with one symmetric scale per output channel, activations quantized per token at run time,
 products in `torch._int_mm` (int8 x int8 -> int32, AVX-512 VNNI on this kind of CPU; 3-4x an fp32
-matmul at 8-128 rows). Embeddings, norms, attention and the KV cache stay in the model's dtype.
-The LM head is included because it is memory-bound: 12 rows through the fp32 49k x 576 head took
-16 ms, int8 3 ms (bf16 5 ms), for a mean KL to fp32 of 0.020 instead of 0.016 with it in fp32.
+matmul at 8-128 rows). Embeddings, norms and attention stay in the model's dtype (the runner's
+CPU KV cache is fp32 either way). The LM head is included because it is memory-bound: 12 rows
+through the fp32 49k x 576 head took 18 ms a step, int8 3.3 ms (`bench/step_profile.py`), for a
+mean KL to fp32 of 0.021 instead of 0.016 with the head in fp32 (`bench/int8_quality.py`).
 
 Per-token activation quantization is where the error comes from (a few input channels carry
 outliers that flatten every other channel to a few levels). SmoothQuant's remedy (Xiao et al.,
 2023) is applied per linear: one forward over a fixed calibration text records each input
 channel's largest |x|; the channel is divided by s = |x|max^0.5 / |w|max^0.5 before quantizing and
 the weight's column multiplied by it, which moves the outliers into the weights, where per-channel
-scales absorb them. Measured on SmolLM2-135M against fp32 over ~240 tokens of mixed text
-(calibrated on a different text): top-1 agreement 0.90 -> 0.94, mean KL 0.041 -> 0.016;
-weight-only int8 alone is 0.97 / 0.004.
+scales absorb them. Measured on SmolLM2-135M against fp32 over 239 tokens the calibration never
+saw (`bench/int8_quality.py`), decoder linears only: top-1 agreement 0.895 -> 0.941, mean KL
+0.041 -> 0.016; with the int8 LM head too (what ships) 0.937 / 0.021; weight-only int8 0.971 / 0.004.
 
 The model classes stay transformers' own: only leaf modules are replaced, so the paged attention,
 `generate` and the tests' HF reference all run the same quantized model.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("none", "int8")
+from magnitude.runner import QUANTIZATIONS
 
 # The range a symmetric int8 scale maps onto; -128 is left unused so that x and -x quantize alike.
 _QMAX = 127.0
@@ -88,20 +89,21 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel W, per-row A"
 
 
-def quantize_linears(model: nn.Module, quantization: str | None, device: torch.device,
-                     calibration_ids: list[int] | None = None) -> int:
-    """Apply `quantization` in place to the decoder layers' linears and the LM head; returns how
-    many modules were replaced.
-    With `calibration_ids` (e.g. the tokenized CALIBRATION_TEXT) the activations are smoothed."""
+def check_quantization(quantization: str | None, device: torch.device) -> str:
+    """The quantization's name if this runner can apply it on `device`; QuantizationError otherwise.
+    Cheap: callers check before loading a model."""
     q = quantization or "none"
     if q not in QUANTIZATIONS:
         raise QuantizationError(f"quantization {q!r}: expected one of {', '.join(QUANTIZATIONS)}")
-    if q == "none":
-        return 0
-    if device.type != "cpu":
+    if q != "none" and device.type != "cpu":
         # torch._int_mm on CUDA needs more than 16 rows and has not been validated here; bf16 is
         # the weight format to use on a GPU.
         raise QuantizationError(f"int8 weights are implemented for the CPU only (device {device.type}); use bf16")
+    return q
+
+
+def quantization_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) for every linear of the decoder layers, then the LM head."""
     layers = getattr(getattr(model, "model", model), "layers", None)
     if layers is None:
         raise QuantizationError(f"{type(model).__name__} has no decoder layers to quantize")
@@ -109,6 +111,17 @@ def quantize_linears(model: nn.Module, quantization: str | None, device: torch.d
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         targets.append((model, "lm_head", model.lm_head))
+    return targets
+
+
+def quantize_linears(model: nn.Module, quantization: str | None, device: torch.device,
+                     calibration_ids: list[int] | None = None) -> int:
+    """Apply `quantization` in place to the decoder layers' linears and the LM head; returns how
+    many modules were replaced.
+    With `calibration_ids` (e.g. the tokenized CALIBRATION_TEXT) the activations are smoothed."""
+    if check_quantization(quantization, device) == "none":
+        return 0
+    targets = quantization_targets(model)
     absmax = _input_absmax(model, [c for _, _, c in targets], calibration_ids, device) if calibration_ids else {}
     for parent, name, child in targets:
         setattr(parent, name, Int8Linear(child, absmax.get(id(child))))

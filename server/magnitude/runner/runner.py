@@ -23,8 +23,8 @@ import torch
 from magnitude.engine.output import RunnerOutput, SampledToken, ScheduledSeq, StepPlan
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
-from magnitude.runner.loading import DEFAULT_SOURCE, load_model
-from magnitude.runner.quantize import CALIBRATION_TEXT, quantize_linears
+from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
+from magnitude.runner.quantize import CALIBRATION_TEXT, check_quantization, quantize_linears
 from magnitude.runner.sampling import Sampler, accept_drafts
 
 
@@ -85,8 +85,10 @@ class ModelRunner:
             # OpenMP threads that fight other processes for the same cores.
             torch.set_num_threads(num_threads)
         report = progress or (lambda phase, fraction: None)
+        if quantization not in (None, "none") and device in (None, "", "auto"):
+            device = "cpu"  # the int8 kernels are CPU-only: choose the CPU rather than fail on a GPU host
+        self.quantization = check_quantization(quantization, pick_device(device))  # before a long load
         loaded = load_model(source, device, dtype, attn_implementation=ATTN_IMPLEMENTATION, progress=report)
-        self.quantization = quantization or "none"
         quantize_linears(loaded.model, self.quantization, loaded.device,
                          loaded.tokenizer(CALIBRATION_TEXT)["input_ids"])
         self.model = loaded.model
