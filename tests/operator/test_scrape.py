@@ -41,9 +41,9 @@ def test_parse_reads_the_engine_series_summed_over_labels() -> None:
     assert (parsed.running, parsed.waiting) == (3, 5)
     assert parsed.queue_cumulative[math.inf] == 2
     assert parsed.queue_cumulative[0.5] == 1 and parsed.queue_cumulative[5.0] == 2
-    assert parsed.shed_classes == 0
+    assert parsed.shed_classes == frozenset()
     m.set_shedding(["batch"])
-    assert scrape.parse(engine_text(m)).shed_classes == 1
+    assert scrape.parse(engine_text(m)).shed_classes == {"batch"}
 
 
 def test_bucket_delta_is_per_interval_and_survives_restarts() -> None:

@@ -104,10 +104,12 @@ def test_admin_shedding_rejects_the_least_important_class() -> None:
         assert httpx.post(s.v1 + "/chat/completions", json=chat(priority_class="interactive")).status_code == 200
         r = httpx.post(s.url + "/admin/shedding", json={"classes": ["batch", "standard"]}, headers={"Authorization": "Bearer adm"})
         assert r.json()["shed_classes"] == ["batch", "standard"]
+        assert s.metric("magnitude_admission_shed_class", priority_class="standard") == 1
         r = httpx.post(s.url + "/admin/shedding", json={"classes": ["gold"]}, headers={"Authorization": "Bearer adm"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "classes"
         httpx.post(s.url + "/admin/shedding", json={"enabled": False}, headers={"Authorization": "Bearer adm"})
         assert s.metric("magnitude_admission_shedding") == 0
+        assert s.metric("magnitude_admission_shed_class", priority_class="batch") == 0
         assert httpx.post(s.v1 + "/chat/completions", json=chat(priority_class="batch")).status_code == 200
 
 

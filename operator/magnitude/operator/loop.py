@@ -41,7 +41,6 @@ class Entry:
     lock: threading.Lock = field(default_factory=threading.Lock)
     scraper: Scraper = field(default_factory=Scraper)
     token: str | None = None
-    shed_sent: dict[str, frozenset[str]] = field(default_factory=dict)  # pod name -> classes it accepted from us
 
 
 class Registry:
@@ -85,21 +84,12 @@ def pod_infos(pods: list[dict[str, Any]]) -> list[PodInfo]:
     return out
 
 
-def shed_stale(pods: list[PodInfo], reported: dict[str, int | None], sent: dict[str, frozenset[str]],
+def shed_stale(pods: list[PodInfo], reported: dict[str, frozenset[str] | None],
                want: frozenset[str]) -> list[PodInfo]:
-    """Ready, scraped pods whose shedding may differ from `want`. The engine's gauge says only how
-    many classes it sheds, so a same-sized but different set is caught by what we last sent it; a
-    pod we never told is known to shed nothing only when it reports zero (an operator restart
-    re-sends once otherwise)."""
-    out = []
-    for p in pods:
-        if not p.ready or p.name not in reported:
-            continue  # not scraped this tick: nothing to compare
-        count = reported[p.name]
-        known = sent.get(p.name, frozenset() if count == 0 else None)
-        if count != len(want) or known != want:
-            out.append(p)
-    return out
+    """Ready, scraped pods whose shed classes (`magnitude_admission_shed_class`, read from the
+    engine itself, so an operator restart or an engine restart needs no memory here) differ from
+    `want`, or that do not say."""
+    return [p for p in pods if p.ready and p.name in reported and reported[p.name] != want]
 
 
 async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
@@ -123,9 +113,7 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
 
     await asyncio.to_thread(locked)
     want = frozenset(decision.shed_classes)
-    alive = {p.name for p in pods}
-    entry.shed_sent = {pod: sent for pod, sent in entry.shed_sent.items() if pod in alive}
-    stale = shed_stale(pods, entry.scraper.shed_reported, entry.shed_sent, want)
+    stale = shed_stale(pods, entry.scraper.shed_reported, want)
     if not stale:
         return
     if entry.token is None:
@@ -134,11 +122,8 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
         url = pod_url(p, namespace)
         if not (url and entry.token):
             continue
-        if await set_shedding(client, url, entry.token, decision.shed_classes):
-            entry.shed_sent[p.name] = want
-        else:
+        if not await set_shedding(client, url, entry.token, decision.shed_classes):
             log.warning("%s/%s: pod %s did not accept shedding %s", namespace, name, p.name, decision.shed_classes)
-            entry.shed_sent.pop(p.name, None)
             entry.token = None  # re-read next tick, in case the Secret was replaced
 
 

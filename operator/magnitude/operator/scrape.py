@@ -26,8 +26,8 @@ WAITING = "magnitude_requests_waiting"
 RUNNING = "magnitude_requests_running"
 QUEUE_TIME = "magnitude_queue_time_seconds"
 SHEDDING = "magnitude_admission_shedding"
-SHED_CLASSES = "magnitude_admission_shed_classes"
-READ_METRICS = (KV_USAGE, WAITING, RUNNING, QUEUE_TIME, SHEDDING, SHED_CLASSES)
+SHED_CLASS = "magnitude_admission_shed_class"
+READ_METRICS = (KV_USAGE, WAITING, RUNNING, QUEUE_TIME, SHED_CLASS)
 
 # Where a pod's engine answers. The e2e harness may point this elsewhere (kwok pods run no process).
 URL_TEMPLATE_ENV = "MAGNITUDE_OPERATOR_POD_URL"
@@ -41,7 +41,7 @@ class PodMetrics:
     waiting: float = 0.0
     running: float = 0.0
     queue_cumulative: dict[float, float] = field(default_factory=dict)  # le -> cumulative count (all labels)
-    shed_classes: int | None = None
+    shed_classes: frozenset[str] | None = None  # None: the engine does not export the series
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,12 @@ def parse(text: str) -> PodMetrics:
     """Sum each series over its labels; histogram buckets keyed by their upper bound."""
     gauges: dict[str, float] = {}
     buckets: dict[float, float] = {}
+    shed: set[str] | None = None
     for family in text_string_to_metric_families(text):
         if family.name not in READ_METRICS:
+            continue
+        if family.name == SHED_CLASS:
+            shed = {s.labels.get("priority_class", "") for s in family.samples if s.value >= 0.5}
             continue
         for sample in family.samples:
             if sample.name == QUEUE_TIME + "_bucket":
@@ -67,10 +71,9 @@ def parse(text: str) -> PodMetrics:
                 buckets[le] = buckets.get(le, 0.0) + sample.value
             elif sample.name == family.name:
                 gauges[family.name] = gauges.get(family.name, 0.0) + sample.value
-    shed = gauges.get(SHED_CLASSES)
     return PodMetrics(kv_usage=gauges.get(KV_USAGE), waiting=gauges.get(WAITING, 0.0),
                       running=gauges.get(RUNNING, 0.0), queue_cumulative=buckets,
-                      shed_classes=None if shed is None else int(shed))
+                      shed_classes=None if shed is None else frozenset(shed))
 
 
 def bucket_delta(prev: dict[float, float] | None, cur: dict[float, float]) -> tuple[tuple[float, float], ...]:
@@ -106,7 +109,7 @@ class Scraper:
     def __init__(self, clock: Any = time.monotonic) -> None:
         self._clock = clock
         self._last: dict[str, _Seen] = {}
-        self.shed_reported: dict[str, int | None] = {}
+        self.shed_reported: dict[str, frozenset[str] | None] = {}  # pod name -> classes it sheds
 
     async def scrape(self, client: httpx.AsyncClient, pods: list[PodInfo], namespace: str) -> list[PodLoad]:
         """Fetch every ready pod over `client` (the loop's shared one: connections are reused)."""

@@ -61,6 +61,9 @@ class EngineMetrics:
         self.kv_cache_blocks_total = g("kv_cache_blocks_total", "Device KV blocks in the pool.")
         self.admission_shedding = g("admission_shedding", "1 while load shedding rejects the lowest classes.")
         self.shed_classes = g("admission_shed_classes", "Number of priority classes currently shed.")
+        self.shed_class = g("admission_shed_class", "1 for each priority class admission sheds now, 0 once it stops.",
+                            ("priority_class",))
+        self._ever_shed: set[str] = set()
         self.engine_ready = g("engine_ready", "1 when the model is loaded and the engine loop runs.")
         self.model_load_seconds = g("model_load_seconds", "Seconds the model took to load at startup.")
         self.model_info = g("model_info", "1 for the loaded model; labels say what it is and how it runs.",
@@ -135,9 +138,14 @@ class EngineMetrics:
         self.model_info.labels(model, device, dtype, quantization).set(1)
 
     def set_shedding(self, shed_classes: Iterable[str]) -> None:
-        n = len(list(shed_classes))
-        self.admission_shedding.set(1 if n else 0)
-        self.shed_classes.set(n)
+        shed = set(shed_classes)
+        self.admission_shedding.set(1 if shed else 0)
+        self.shed_classes.set(len(shed))
+        # The family is exported from the start (empty = nothing shed), so a reader can tell "no
+        # class shed" from "an engine without this series".
+        self._ever_shed |= shed
+        for cls in self._ever_shed:  # classes shed before and not now go to 0
+            self.shed_class.labels(cls).set(1 if cls in shed else 0)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
