@@ -270,6 +270,38 @@ def test_5_load_scales_up_then_down_after_the_window(kube, operator, kubelet) ->
     delete_and_wait(kube, name)
 
 
+# -- 5b. scale-down victim ---------------------------------------------------------------
+def test_5b_scale_down_removes_the_idle_pod_not_the_busy_one(kube, operator, kubelet) -> None:
+    """The operator prices pods by in-flight work (pod-deletion-cost) before it lowers replicas,
+    and the real ReplicaSet controller then removes the idle pod: streams on the busy one go on.
+    The busy pod is the younger one, which the ReplicaSet removes first when no cost says
+    otherwise: it ranks by how long pods have been ready on a log2 scale, so the old pod is aged
+    past 32 s before the young one starts (the scale-down comes ~20 s later: 16-32 s vs 32-64 s).
+    With the operator's costs switched off this test fails."""
+    name = "victim"
+    scaling = {"targetQueueTimeSeconds": 5, "targetKvUsage": 0.9, "scaleDownStabilizationSeconds": 15,
+               "metricsMaxAgeSeconds": 20}
+    kube.apply(sim_service(name, replicas=1, minReplicas=1, maxReplicas=2, autoscaling={"enabled": False, **scaling}))
+    ready_msvc(kube, operator, kubelet, name, timeout=90, replicas=1)
+    old = pods(kube, name, ready_only=True)[0]["metadata"]["name"]
+    time.sleep(35)
+    kube.apply(sim_service(name, replicas=2, minReplicas=1, maxReplicas=2, autoscaling={"enabled": False, **scaling}))
+    running = wait_for("2 ready pods", lambda: r if len(r := pods(kube, name, ready_only=True)) == 2 else None, 60)
+    young = next(p for p in running if p["metadata"]["name"] != old)
+    load = Load(lambda: [f"http://{young['status']['podIP']}:8000"], concurrency=2, max_tokens=32,
+                max_seconds=150).start()
+    try:
+        kube.apply(sim_service(name, replicas=2, minReplicas=1, maxReplicas=2, autoscaling={"enabled": True, **scaling}))
+        wait_for("scale down to the busy pod",
+                 lambda: [p["metadata"]["name"] for p in pods(kube, name)] == [young["metadata"]["name"]], 120,
+                 on_timeout=lambda: f"pods: {[p['metadata']['name'] for p in pods(kube, name)]}, busy "
+                                    f"{young['metadata']['name']}, idle {old}\n{debug(kube, operator, kubelet, name)()}")
+    finally:
+        load.stop()
+    assert load.statuses[200] > 0 and set(load.statuses) == {200}, load.statuses  # nothing cut on the busy pod
+    delete_and_wait(kube, name)
+
+
 # -- 6. shedding at maxReplicas ----------------------------------------------------------
 def test_6_shedding_turns_on_at_max_replicas_and_off_when_load_falls(kube, operator, kubelet) -> None:
     name = "shedding"

@@ -91,6 +91,17 @@ def test_scale_down_waits_for_the_window_then_follows_the_highest_recommendation
     assert d.memory.recommendations == ((30.0, 1),)  # the busy point left the window
 
 
+def test_a_new_service_keeps_its_size_for_one_scale_down_window() -> None:
+    spec = make_spec()  # 300 s scale-down window
+    d = a.decide(spec, 3, pods(3, kv=0.0), a.Memory(), now=0.0)  # no history: idle from the start
+    assert (d.replicas, d.reason) == (3, a.STABILIZING), d.message
+    d = a.decide(spec, 3, pods(3, kv=0.0), d.memory, now=299.0)
+    assert d.replicas == 3
+    d = a.decide(spec, 3, pods(3, kv=0.0), d.memory, now=301.0)
+    assert (d.replicas, d.reason) == (1, a.SCALED_DOWN)
+    assert a.decide(spec, 2, pods(2, kv=1.0), a.Memory(), now=0.0).replicas == 4  # scaling up is not held
+
+
 def test_scale_down_prefers_least_loaded_pods() -> None:
     spec = make_spec(autoscaling={"scaleDownStabilizationSeconds": 0})
     load = [

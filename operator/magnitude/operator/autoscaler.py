@@ -198,8 +198,12 @@ def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load
     else:
         raw = math.ceil(load.fresh_pods * ratio - 1e-9) if load.available else lo
     recommendation = max(lo, min(hi, raw))
-    recs = memory.recommendations
-    if not recs or recs[-1][1] != recommendation:
+    # No history yet (a new service, or autoscaling just turned on): the current size counts as a
+    # recommendation made now, as the Kubernetes HPA seeds it, so the first decision cannot undercut
+    # spec.replicas before a whole scale-down window has been observed. (Found by e2e: a service
+    # created with 2 replicas lost one on its first tick.)
+    recs = memory.recommendations or ((now, current),)
+    if recs[-1][1] != recommendation:
         recs = recs + ((now, recommendation),)
     window = max(a.scale_up_stabilization_seconds, a.scale_down_stabilization_seconds)
     recs = _in_window(recs, now, window)[-MAX_RECOMMENDATIONS:]
