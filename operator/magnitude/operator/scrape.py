@@ -25,7 +25,6 @@ KV_USAGE = "magnitude_kv_cache_usage_ratio"
 WAITING = "magnitude_requests_waiting"
 RUNNING = "magnitude_requests_running"
 QUEUE_TIME = "magnitude_queue_time_seconds"
-SHEDDING = "magnitude_admission_shedding"
 SHED_CLASS = "magnitude_admission_shed_class"
 READ_METRICS = (KV_USAGE, WAITING, RUNNING, QUEUE_TIME, SHED_CLASS)
 
