@@ -24,7 +24,7 @@ from torch import nn  # noqa: E402
 
 from magnitude.runner.loading import load_model  # noqa: E402
 from magnitude.runner.quantize import (  # noqa: E402
-    CALIBRATION_TEXT, Int8Linear, _input_absmax, quantization_targets, quantize_linears)
+    CALIBRATION_TEXT, Int8Linear, calibrate_input_absmax, quantization_targets, quantize_linears)
 from tests.runner.conftest import PROMPTS  # noqa: E402
 
 EVAL_TEXT = " ".join(PROMPTS) + (" The quick brown fox jumps over the lazy dog. Machine learning models are trained"
@@ -68,7 +68,7 @@ def main() -> int:
     with torch.inference_mode():
         ref_logprobs = torch.log_softmax(ref(input_ids=ids, use_cache=False).logits[0].float(), -1)
     cpu = torch.device("cpu")
-    absmax = _input_absmax(ref, [c for _, _, c in decoder_linears(ref)], calibration, cpu)
+    absmax = calibrate_input_absmax(ref, [c for _, _, c in decoder_linears(ref)], calibration, cpu)
 
     def variant(make) -> nn.Module:
         model = copy.deepcopy(ref)

@@ -279,19 +279,22 @@ def test_5b_scale_down_removes_the_idle_pod_not_the_busy_one(kube, operator, kub
     past 32 s before the young one starts (the scale-down comes ~20 s later: 16-32 s vs 32-64 s).
     With the operator's costs switched off this test fails."""
     name = "victim"
-    scaling = {"targetQueueTimeSeconds": 5, "targetKvUsage": 0.9, "scaleDownStabilizationSeconds": 15,
-               "metricsMaxAgeSeconds": 20}
-    kube.apply(sim_service(name, replicas=1, minReplicas=1, maxReplicas=2, autoscaling={"enabled": False, **scaling}))
+    def service(replicas: int, autoscaling: bool) -> dict:
+        return sim_service(name, replicas=replicas, minReplicas=1, maxReplicas=2, autoscaling={
+            "enabled": autoscaling, "targetQueueTimeSeconds": 5, "targetKvUsage": 0.9,
+            "scaleDownStabilizationSeconds": 15, "metricsMaxAgeSeconds": 20})
+
+    kube.apply(service(1, autoscaling=False))
     ready_msvc(kube, operator, kubelet, name, timeout=90, replicas=1)
     old = pods(kube, name, ready_only=True)[0]["metadata"]["name"]
     time.sleep(35)
-    kube.apply(sim_service(name, replicas=2, minReplicas=1, maxReplicas=2, autoscaling={"enabled": False, **scaling}))
+    kube.apply(service(2, autoscaling=False))
     running = wait_for("2 ready pods", lambda: r if len(r := pods(kube, name, ready_only=True)) == 2 else None, 60)
     young = next(p for p in running if p["metadata"]["name"] != old)
     load = Load(lambda: [f"http://{young['status']['podIP']}:8000"], concurrency=2, max_tokens=32,
                 max_seconds=150).start()
     try:
-        kube.apply(sim_service(name, replicas=2, minReplicas=1, maxReplicas=2, autoscaling={"enabled": True, **scaling}))
+        kube.apply(service(2, autoscaling=True))
         wait_for("scale down to the busy pod",
                  lambda: [p["metadata"]["name"] for p in pods(kube, name)] == [young["metadata"]["name"]], 120,
                  on_timeout=lambda: f"pods: {[p['metadata']['name'] for p in pods(kube, name)]}, busy "

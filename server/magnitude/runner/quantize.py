@@ -122,13 +122,13 @@ def quantize_linears(model: nn.Module, quantization: str | None, device: torch.d
     if check_quantization(quantization, device) == "none":
         return 0
     targets = quantization_targets(model)
-    absmax = _input_absmax(model, [c for _, _, c in targets], calibration_ids, device) if calibration_ids else {}
+    absmax = calibrate_input_absmax(model, [c for _, _, c in targets], calibration_ids, device) if calibration_ids else {}
     for parent, name, child in targets:
         setattr(parent, name, Int8Linear(child, absmax.get(id(child))))
     return len(targets)
 
 
-def _input_absmax(model: nn.Module, linears: list[nn.Linear], ids: list[int],
+def calibrate_input_absmax(model: nn.Module, linears: list[nn.Linear], ids: list[int],
                   device: torch.device) -> dict[int, torch.Tensor]:
     """Each linear's per-input-channel max |x| over one forward of `ids`."""
     seen: dict[int, torch.Tensor] = {}

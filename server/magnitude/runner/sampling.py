@@ -58,17 +58,19 @@ def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sum the same descending values in the same order."""
     k = min(probs.shape[-1], NUCLEUS_CANDIDATES)
     ranked = torch.topk(probs, k, dim=-1).values
-    wide = torch.cumsum(ranked, dim=-1)[:, -1] < top_p[:, 0]  # the nucleus goes past the candidates
-    threshold = _threshold_of_ranked(ranked, top_p)
+    threshold, mass = _threshold_of_ranked(ranked, top_p)
+    wide = mass[:, -1] < top_p[:, 0]  # the nucleus goes past the candidates
     if k < probs.shape[-1] and bool(wide.any()):
         full = torch.sort(probs[wide], dim=-1, descending=True).values
-        threshold[wide] = _threshold_of_ranked(full, top_p[wide])
+        threshold[wide] = _threshold_of_ranked(full, top_p[wide])[0]
     return threshold
 
 
-def _threshold_of_ranked(ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    inside = (torch.cumsum(ranked, dim=-1) - ranked) < top_p  # a prefix, at least one token long
-    return ranked.gather(1, inside.sum(dim=-1, keepdim=True) - 1)
+def _threshold_of_ranked(ranked: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(threshold [R, 1], cumulative mass [R, K]) over probabilities ranked in descending order."""
+    mass = torch.cumsum(ranked, dim=-1)
+    inside = (mass - ranked) < top_p  # a prefix, at least one token long
+    return ranked.gather(1, inside.sum(dim=-1, keepdim=True) - 1), mass
 
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
