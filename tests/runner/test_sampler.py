@@ -131,3 +131,20 @@ def test_broken_probabilities_fail_loudly_instead_of_picking_a_token():
     logits[0, 3] = float("inf")
     with pytest.raises(ValueError, match="NaN"):
         Sampler(torch.device("cpu"), seed=0).choose(logits, [SamplingParams(temperature=1.0)] * 2, [0, 0])
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-8, 1e-6])
+def test_temperatures_too_small_to_sample_with_are_greedy(temperature):
+    # 1e-40 is a float32 subnormal: logits / T overflow to inf and softmax gives NaN for the row.
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    logits = _logits(3, seed=3)
+    assert Sampler(torch.device("cpu"), seed=0).choose(logits, [params] * 3, [0] * 3) == torch.argmax(logits, -1).tolist()
+
+
+def test_broken_logits_are_refused_for_greedy_rows_too():
+    # A NaN row would otherwise be "decided" by argmax (NaN counts as the maximum): garbage, silently.
+    logits = _logits(2, seed=4)
+    logits[1, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"rows \[1\]"):
+        Sampler(torch.device("cpu"), seed=0).choose(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])

@@ -118,3 +118,32 @@ def test_stop_strings_cut_exactly(runner, stop):
         if m.stopped:
             break
     assert m.stopped and emitted == text[: text.index(stop)]
+
+
+def test_one_unsampleable_row_fails_only_its_request(runner, prompt_ids):
+    """NaN logits in one row (a broken model output, injected by a hook on the LM head) fail that
+    request; the greedy and random rows beside it are sampled, and so is a temperature too small
+    to represent, which is greedy."""
+    poisoned_row = 2
+
+    def poison(module, inputs, output):
+        output = output.clone()
+        output[poisoned_row, 7] = float("nan")
+        return output
+
+    seqs = [
+        ScheduledSeq("greedy", prompt_ids[1], 0, [70], True, greedy()),
+        ScheduledSeq("tiny_temperature", prompt_ids[1], 0, [71], True, SamplingParams(max_tokens=4, temperature=1e-40)),
+        ScheduledSeq("poisoned", prompt_ids[1], 0, [72], True, SamplingParams(max_tokens=4, temperature=1.0)),
+        ScheduledSeq("random", prompt_ids[1], 0, [73], True, SamplingParams(max_tokens=4, temperature=1.0, top_p=1e-12)),
+    ]
+    handle = runner.model.lm_head.register_forward_hook(poison)
+    try:
+        out = runner.execute(StepPlan(0, seqs))
+    finally:
+        handle.remove()
+    assert set(out.failed) == {"poisoned"} and "NaN" in out.failed["poisoned"]
+    assert set(out.sampled) == {"greedy", "tiny_temperature", "random"}
+    top = out.sampled["greedy"][0].token_id
+    assert out.sampled["tiny_temperature"][0].token_id == top
+    assert out.sampled["random"][0].token_id == top  # top_p 1e-12: the nucleus is the top token

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Below this, sampling is greedy (vLLM's _SAMPLING_EPS). Such a distribution is one-hot anyway
+# unless logits tie within 1e-5, and dividing by a temperature near float32's smallest values
+# (1e-40 is subnormal) overflows the logits to inf, which no sampler can draw from.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """How one request's next tokens are chosen and when generation stops.
 
-    temperature == 0 means greedy. `max_tokens` counts generated tokens. `stop` strings are cut
-    from the output exactly (the stop string itself is not returned); `stop_token_ids` end the
-    request after that token, which is not returned either. `ignore_eos` generates exactly
+    A temperature below GREEDY_TEMPERATURE (0 included) means greedy. `max_tokens` counts
+    generated tokens. `stop` strings are cut from the output exactly (the stop string itself is
+    not returned); `stop_token_ids` end the request after that token, which is not returned either. `ignore_eos` generates exactly
     `max_tokens` (benchmarks). `logprobs` is the number of top alternatives to return per token
     (None: no logprobs).
     """
@@ -40,4 +45,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

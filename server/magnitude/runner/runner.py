@@ -4,7 +4,7 @@ Per step: swap copies (plan.swap_out, then plan.swap_in), per-request validation
 fails alone), then every scheduled token of every sequence — prefill chunks and decodes — goes
 through transformers' own model class as one flattened row with per-sequence positions; the
 registered paged attention reads/writes our KV pool by the plan's block tables. The LM head runs
-only on the rows that sample. Recompute needs nothing here: the scheduler simply re-prefills.
+only on the rows that sample; a row the sampler cannot sample fails its request alone too. Recompute needs nothing here: the scheduler simply re-prefills.
 
 Speculative decoding hook: a `DraftProposer` (none by default) fills a decode's `num_lookahead`
 slots with draft tokens; the step computes them together and greedy verification keeps the
@@ -13,6 +13,7 @@ matching prefix plus one model token (random sampling keeps only the first token
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -21,12 +22,14 @@ import numpy as np
 import torch
 
 from magnitude.engine.output import RunnerOutput, SampledToken, ScheduledSeq, StepPlan
+from magnitude.engine.sampling import SamplingParams
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.quantize import CALIBRATION_TEXT, check_quantization, quantize_linears
 from magnitude.runner.sampling import Sampler, accept_drafts
 
+log = logging.getLogger("magnitude.runner")
 
 class DraftProposer(Protocol):
     """Proposes up to `k` draft tokens to follow `seq`'s last token (e.g. n-gram or a draft model)."""
@@ -137,8 +140,6 @@ class ModelRunner:
     def _warmup(self, report: Callable[[str, float], None]) -> None:
         """Run a prefill and a decode through block 0 so first-request latency excludes lazy init.
         The garbage K/V left in block 0 is harmless: a sequence writes each slot before reading it."""
-        from magnitude.engine.sampling import SamplingParams
-
         report("warming_up", 0.0)
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         n = min(8, self.block_size * self.num_blocks - 1)
@@ -239,8 +240,10 @@ class ModelRunner:
             r += len(w.drafts) + 1
         params = [w.seq.sampling for w in samplers]
         steps = [w.seq.num_output_tokens for w in samplers]
-        first = self.sampler.sample(logits[first_rows], params, steps)
+        first = self._sample_rows(logits[first_rows], params, steps, samplers, out)
         for i, w in enumerate(samplers):
+            if first[i] is None:
+                continue  # failed alone, in out.failed
             if not w.drafts or not w.seq.sampling.greedy:
                 out.sampled[w.seq.request_id] = [first[i]]
                 continue
@@ -249,6 +252,24 @@ class ModelRunner:
             kept = accept_drafts(targets, w.drafts)
             tokens = Sampler.attach_logprobs(block[: len(kept)], [w.seq.sampling] * len(kept), kept)
             out.sampled[w.seq.request_id] = tokens
+
+    def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                     samplers: list[_Work], out: RunnerOutput) -> list[SampledToken | None]:
+        """The batched sample; if it raises, each row again alone, so that a row that cannot be
+        sampled fails its own request (in `out.failed`) instead of the whole step."""
+        try:
+            return list(self.sampler.sample(logits, params, steps))
+        except Exception:  # noqa: BLE001 - isolated below, row by row
+            pass
+        tokens: list[SampledToken | None] = []
+        for i, w in enumerate(samplers):
+            try:
+                tokens.append(self.sampler.sample(logits[i : i + 1], params[i : i + 1], steps[i : i + 1])[0])
+            except Exception as exc:  # noqa: BLE001 - this row's request fails, not the step
+                log.warning("sampling failed for %s: %s", w.seq.request_id, exc)
+                out.failed[w.seq.request_id] = f"sampling failed: {exc}"
+                tokens.append(None)
+        return tokens
 
     # -- conveniences -----------------------------------------------------------------------------
 

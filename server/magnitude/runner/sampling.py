@@ -10,6 +10,8 @@ at its edge all stay (as top-k keeps ties with the k-th value). 32 rows of a 49k
 (`bench/sampler_bench.py`): top-p 0.9 took 166 ms row by row (full sort + `multinomial`), 27 ms here.
 Logprobs are those of the model's raw distribution (before temperature / top-k / top-p), as
 OpenAI reports them. Stop token ids and stop strings are the scheduler's and output processor's.
+A row that cannot be sampled (NaN or +inf logits from the model) raises ValueError naming it,
+greedy or not; the runner then fails only that row's request (`ModelRunner._sample`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     return torch.searchsorted(cdf, (uniforms.double() * total)[:, None], right=True)[:, 0].tolist()
 
 
+def check_logits(logits: torch.Tensor) -> None:
+    """Raise ValueError naming the rows with a NaN or +inf logit, or no finite one: argmax would
+    "choose" from them (NaN counts as the maximum) and the random draw cannot."""
+    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+    if bool(bad.any()):
+        raise ValueError(f"sampling rows {bad.nonzero()[:, 0].tolist()}: logits are NaN, infinite or all -inf")
+
+
 def _logprob_info(logprobs_row: torch.Tensor, token: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:
     chosen = float(logprobs_row[token])
     if n_top <= 0:
@@ -107,6 +117,7 @@ class Sampler:
     def choose(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
         """One token per row. `steps[i]` is the request's output index (seeded draws use it)."""
         logits = logits.float()
+        check_logits(logits)
         tokens = torch.argmax(logits, dim=-1).tolist()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
