@@ -175,3 +175,29 @@ def test_shed_order_follows_shed_order_field_and_max() -> None:
         loadShedding={"maxShedClasses": 1})
     assert a.shed_order(spec) == ("bulk",)
     assert spec.scheduler.shed_order() == ["bulk", "free", "gold"]  # ties by name; the rule the engine applies too
+
+
+# ---- a pod without usable metrics: hold, and say which pod and why ---------------------------------
+
+def test_a_pod_without_usable_metrics_blocks_scale_down_and_is_named() -> None:
+    spec = make_spec(autoscaling={"scaleDownStabilizationSeconds": 0})
+    bad = a.PodLoad(name="p9", ready=True, problem="magnitude_kv_cache_usage_ratio: non-finite value nan")
+    d = a.decide(spec, 3, pods(2, kv=0.05) + [bad], a.Memory(), now=0.0)  # idle: would go to 1 today
+    assert (d.replicas, d.reason) == (3, a.METRICS_UNAVAILABLE), d.message
+    assert "pod p9 (magnitude_kv_cache_usage_ratio: non-finite value nan)" in d.message
+    assert d.load.unavailable == (("p9", bad.problem),)
+    busy = a.decide(spec, 3, pods(2, kv=1.0) + [bad], a.Memory(), now=0.0)  # the reporting pods are busy
+    assert (busy.replicas, busy.reason) == (4, a.SCALED_UP) and "pod p9" in busy.message
+    stale = a.decide(spec, 2, pods(1, kv=0.5) + pods(1, kv=0.5, age=99.0, start=5), a.Memory(), now=0.0)
+    assert stale.reason == a.METRICS_UNAVAILABLE and "pod p5 (last good scrape 99s ago" in stale.message
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_loads_are_unavailable_not_a_crash(value: float) -> None:
+    """A PodLoad is not trusted either: inf running made deletion_costs raise OverflowError, NaN ValueError."""
+    spec = make_spec(autoscaling={"scaleDownStabilizationSeconds": 0})
+    odd = [a.PodLoad(name="odd", ready=True, age=1.0, kv_usage=0.0, running=value),
+           a.PodLoad(name="nan-kv", ready=True, age=1.0, kv_usage=value)]
+    d = a.decide(spec, 3, pods(1, kv=0.0) + odd, a.Memory(), now=0.0)
+    assert d.reason == a.METRICS_UNAVAILABLE and "pod odd" in d.message and "pod nan-kv" in d.message
+    assert a.deletion_costs(odd, max_age=30) == {"odd": 0, "nan-kv": 0}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from types import SimpleNamespace
 
 import httpx
@@ -91,3 +92,48 @@ async def _scraper_scenario() -> None:
         third = await s.scrape(client, pods, "ml")
         assert third[1].age == pytest.approx(40.0)  # last good scrape, now stale
         assert aggregate(third, max_age=30).fresh_pods == 1
+
+
+# ---- garbage from a pod: "metrics unavailable" for that pod, with the reason ---------------------
+
+GOOD = engine_text(engine(running=1, waiting=0, used=10))
+
+
+@pytest.mark.parametrize("garbage, why", [
+    ("# TYPE magnitude_queue_time_seconds histogram\nmagnitude_queue_time_seconds_bucket 3\n", "without le"),
+    ('# TYPE magnitude_queue_time_seconds histogram\nmagnitude_queue_time_seconds_bucket{le="soon"} 3\n',
+     "le"),
+    ('# TYPE magnitude_queue_time_seconds histogram\nmagnitude_queue_time_seconds_bucket{le="NaN"} 3\n', "le"),
+    ("# TYPE magnitude_kv_cache_usage_ratio gauge\nmagnitude_kv_cache_usage_ratio NaN\n", "non-finite"),
+    ("# TYPE magnitude_kv_cache_usage_ratio gauge\nmagnitude_kv_cache_usage_ratio +Inf\n", "non-finite"),
+    ("# TYPE magnitude_kv_cache_usage_ratio gauge\nmagnitude_kv_cache_usage_ratio 7\n", "outside [0, 1]"),
+    ("# TYPE magnitude_requests_waiting gauge\nmagnitude_requests_waiting -3\n", "negative"),
+    ("# TYPE magnitude_requests_running gauge\nmagnitude_requests_running 1e400\n", "non-finite"),
+    ('# TYPE magnitude_queue_time_seconds histogram\nmagnitude_queue_time_seconds_bucket{le="1.0"} 5\n'
+     'magnitude_queue_time_seconds_bucket{le="+Inf"} 2\n', "cumulative"),
+    ("magnitude_kv_cache_usage_ratio{{{ 0.5\n", "unparseable"),
+])
+def test_parse_rejects_malformed_or_non_finite_samples_by_name(garbage: str, why: str) -> None:
+    with pytest.raises(scrape.MetricsRejected, match=re.escape(why)):
+        scrape.parse(GOOD + garbage)
+
+
+def test_a_pod_serving_garbage_has_no_metrics_and_says_why() -> None:
+    """Today a bucket without `le` raises KeyError out of the scrape: the whole tick dies, every tick."""
+    texts = {"10.0.0.1": GOOD,
+             "10.0.0.2": GOOD + "# TYPE magnitude_queue_time_seconds histogram\nmagnitude_queue_time_seconds_bucket 1\n"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=texts[request.url.host])
+
+    async def go() -> list[scrape.PodLoad]:
+        pods = [scrape.PodInfo("a", "ua", "10.0.0.1", True), scrape.PodInfo("b", "ub", "10.0.0.2", True)]
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            s = scrape.Scraper(clock=lambda: 5.0)
+            await s.scrape(client, pods, "ml")
+            texts["10.0.0.1"] = GOOD.replace("magnitude_kv_cache_usage_ratio 0.1", "magnitude_kv_cache_usage_ratio NaN")
+            return await s.scrape(client, pods, "ml")
+    a_, b_ = asyncio.run(go())
+    assert b_.kv_usage is None and "without le" in (b_.problem or "")
+    assert a_.kv_usage is None and "non-finite" in (a_.problem or "")  # its earlier good scrape no longer counts
+    assert aggregate([a_, b_], max_age=30).fresh_pods == 0

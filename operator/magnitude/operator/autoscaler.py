@@ -10,7 +10,10 @@ down) pod-deletion costs so the least-loaded pods go first. Rules:
   default: fast), scale down to the *highest* of the down-window (300 s: slow); one step grows by
   at most `maxScaleUpFactor`; the result is clamped to [minReplicas, maxReplicas].
 * No scale-up while pods are pending or loading (their capacity is already on its way).
-* Missing or stale metrics hold the current size and say so.
+* Missing or stale metrics hold the current size and say so. A ready pod without usable metrics
+  (it did not answer, answered garbage, or its last scrape is stale) blocks scaling *down*: its
+  load is unknown, and the pod it would remove first is that very pod. Scaling up still follows
+  the pods that do report. The condition names each such pod and why (`PodLoad.problem`).
 * Shedding only when the service cannot grow (autoscaling off, or at maxReplicas): one more class
   (least important first) every `stepSeconds` while overloaded, one class fewer every `stepSeconds`
   while calm; the band between the on and off thresholds holds (hysteresis).
@@ -59,6 +62,22 @@ class PodLoad:
     waiting: float = 0.0
     running: float = 0.0
     queue_buckets: tuple[tuple[float, float], ...] = ()
+    problem: str | None = None  # why the latest scrape gave nothing usable (None: it did, or none was due)
+
+    def fresh(self, max_age: float) -> bool:
+        """Ready with a usable scrape no older than `max_age` (finite values only: the scraper
+        refuses others, and the policy does not take that on trust)."""
+        return (self.ready and self.age is not None and self.age <= max_age and self.kv_usage is not None
+                and all(math.isfinite(x) for x in (self.kv_usage, self.waiting, self.running)))
+
+    def why_unavailable(self, max_age: float) -> str:
+        if self.problem:
+            return self.problem
+        if self.age is None:
+            return "not scraped yet"
+        if self.age > max_age:
+            return f"last good scrape {self.age:.0f}s ago (max age {max_age:g}s)"
+        return "no magnitude_kv_cache_usage_ratio"
 
 
 @dataclass(frozen=True)
@@ -71,10 +90,17 @@ class Load:
     waiting: float | None = None
     running: float | None = None
     queue_time_p90: float | None = None
+    unavailable: tuple[tuple[str, str], ...] = ()  # ready pods without usable metrics: (name, why)
 
     @property
     def available(self) -> bool:
         return self.fresh_pods > 0 and self.kv_usage is not None
+
+    def unavailable_note(self) -> str:
+        """`metrics unavailable from pod a (why); pod b (why)`, or "" when every ready pod reported."""
+        if not self.unavailable:
+            return ""
+        return "metrics unavailable from " + "; ".join(f"pod {name} ({why})" for name, why in self.unavailable)
 
 
 @dataclass(frozen=True)
@@ -129,9 +155,10 @@ def histogram_quantile(q: float, buckets: tuple[tuple[float, float], ...]) -> fl
 def aggregate(pods: tuple[PodLoad, ...] | list[PodLoad], max_age: float) -> Load:
     """Mean KV usage, summed queues and the merged queue-time p90 over ready pods with fresh metrics."""
     ready = [p for p in pods if p.ready]
-    fresh = [p for p in ready if p.age is not None and p.age <= max_age and p.kv_usage is not None]
+    fresh = [p for p in ready if p.fresh(max_age)]
+    unavailable = tuple((p.name, p.why_unavailable(max_age)) for p in ready if not p.fresh(max_age))
     if not fresh:
-        return Load(fresh_pods=0, ready_pods=len(ready))
+        return Load(fresh_pods=0, ready_pods=len(ready), unavailable=unavailable)
     merged: dict[float, float] = {}
     for p in fresh:
         for upper, count in p.queue_buckets:
@@ -143,6 +170,7 @@ def aggregate(pods: tuple[PodLoad, ...] | list[PodLoad], max_age: float) -> Load
         waiting=sum(p.waiting for p in fresh),
         running=sum(p.running for p in fresh),
         queue_time_p90=histogram_quantile(0.9, tuple(merged.items())),
+        unavailable=unavailable,
     )
 
 
@@ -170,7 +198,7 @@ def deletion_costs(pods: tuple[PodLoad, ...] | list[PodLoad], max_age: float) ->
     for p in pods:
         if not p.ready:
             continue
-        if p.age is None or p.age > max_age or p.kv_usage is None:
+        if not p.fresh(max_age):
             costs[p.name] = 0
         else:
             costs[p.name] = int(round(1000 * (p.running + p.waiting) + 100 * p.kv_usage))
@@ -191,6 +219,8 @@ def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load
     if current > 0 and not load.available:
         why = (f"no fresh metrics from {load.ready_pods} ready pod(s) (max age {a.metrics_max_age_seconds:g}s); "
                f"holding {current}")
+        if load.unavailable:
+            why += ": " + load.unavailable_note()
         return _clamp_hold(current, lo, hi, METRICS_UNAVAILABLE, why, memory)
     ratio = usage_ratio(load, a) if load.available else 0.0
     if load.available and abs(ratio - 1.0) <= a.tolerance:
@@ -220,10 +250,14 @@ def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load
     detail = (f"kv {load.kv_usage:.2f}/{a.target_kv_usage:g}, queue p90 "
               f"{'n/a' if load.queue_time_p90 is None else f'{load.queue_time_p90:.2f}s'}"
               f"/{a.target_queue_time_seconds:g}s over {load.fresh_pods} pod(s), ratio {ratio:.2f}")
+    if load.unavailable:
+        detail += "; " + load.unavailable_note()
     if new > current and not_ready > 0:
         return current, PODS_PENDING, f"{not_ready} pod(s) pending or loading; not scaling past {current} ({detail})", memory
     if new > current:
         return new, SCALED_UP, f"{current} -> {new}: {detail}", memory
+    if load.unavailable:  # a pod's load is unknown: hold rather than scale down or claim all is well
+        return current, METRICS_UNAVAILABLE, f"holding {current}: {detail}", memory
     if new < current:
         return new, SCALED_DOWN, f"{current} -> {new}: {detail}", memory
     if raw > hi and current >= hi:
@@ -262,6 +296,8 @@ def _shed(spec: ModelServiceSpec, at_capacity: bool, load: Load, memory: Memory,
             recommendations=memory.recommendations)
     if not load.available:
         msg = f"metrics unavailable; holding shed classes {list(shed)}" if shed else "metrics unavailable"
+        if load.unavailable:
+            msg += ": " + load.unavailable_note()
         return shed, (SHED_HOLDING if shed else NOT_SHEDDING), msg, replace(memory, shed_classes=shed)
     kv = load.kv_usage or 0.0
     q = load.queue_time_p90
@@ -295,6 +331,16 @@ def _shed(spec: ModelServiceSpec, at_capacity: bool, load: Load, memory: Memory,
         return shed, SHED_HOLDING, f"between thresholds, holding {list(shed)}: {detail}", mem
     why = "overloaded but the service can still grow" if overloaded else "below the shedding thresholds"
     return (), NOT_SHEDDING, f"{why}: {detail}", mem
+
+
+def hold(spec: ModelServiceSpec, current: int, memory: Memory, why: str) -> Decision:
+    """The decision when the tick could not evaluate any metrics at all (`why`): keep the size
+    and the shed set, as missing metrics do, and say so in the Scaling condition."""
+    held = max(spec.min_replicas, min(spec.max_replicas, current)) if spec.autoscaling.enabled else current
+    shed = tuple(c for c in memory.shed_classes if c in shed_order(spec)) if spec.load_shedding.enabled else ()
+    return Decision(replicas=held, reason=METRICS_UNAVAILABLE, message=f"holding {held}: {why}", shed_classes=shed,
+                    shed_reason=SHED_HOLDING if shed else NOT_SHEDDING, shed_message=f"metrics unavailable: {why}",
+                    memory=replace(memory, shed_classes=shed), load=Load(fresh_pods=0, ready_pods=0))
 
 
 def decide(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...] | list[PodLoad], memory: Memory,

@@ -3,12 +3,18 @@
 `parse()` reads the Prometheus text format with prometheus_client's parser and sums series over
 their labels; `Scraper` keeps each pod's previous queue-time histogram so the autoscaler sees only
 the observations since the last tick (a cumulative histogram would never let a service scale down).
-Fetching is plain async HTTP with a short timeout; a pod that does not answer has no fresh metrics.
+
+Pods are not trusted to behave. A scrape has one deadline and a byte cap for the whole exchange
+(`podhttp`), and `parse()` refuses a sample it cannot use (a bucket without a numeric `le`, a
+NaN, an infinity, a negative count, a KV ratio outside [0, 1], buckets that are not cumulative)
+with `MetricsRejected`. Either way the pod has no metrics this tick and its `PodLoad.problem`
+says why, so the policy holds and the Scaling condition names the pod; nothing escapes the tick.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from magnitude.operator import naming as n
 from magnitude.operator.autoscaler import PodLoad
+from magnitude.operator.podhttp import PodHttpError, request
 
 # The engine series the operator reads (DESIGN §3 Metrics).
 KV_USAGE = "magnitude_kv_cache_usage_ratio"
@@ -31,7 +38,14 @@ READ_METRICS = (KV_USAGE, WAITING, RUNNING, QUEUE_TIME, SHED_CLASS)
 # Where a pod's engine answers. The e2e harness may point this elsewhere (kwok pods run no process).
 URL_TEMPLATE_ENV = "MAGNITUDE_OPERATOR_POD_URL"
 DEFAULT_URL_TEMPLATE = "http://{ip}:{port}"
-SCRAPE_TIMEOUT_SECONDS = 2.0
+# One deadline for the whole scrape (connect, headers, body), and a cap on the body: an engine's
+# /metrics is tens of kB (tenant labels are bounded), so 4 MiB is generous and still cheap.
+SCRAPE_DEADLINE_SECONDS = 2.0
+SCRAPE_MAX_BYTES = 4 << 20
+
+
+class MetricsRejected(ValueError):
+    """A pod's /metrics that cannot be trusted; the message names the series and why."""
 
 
 @dataclass(frozen=True)
@@ -53,26 +67,60 @@ class PodInfo:
     ready: bool
 
 
+def _number(series: str, value: float) -> float:
+    """A sample value the policy can use: finite and not negative (every series read counts
+    something or is a ratio)."""
+    if not math.isfinite(value):
+        raise MetricsRejected(f"{series}: non-finite value {value}")
+    if value < 0:
+        raise MetricsRejected(f"{series}: negative value {value:g}")
+    return value
+
+
+def _bound(labels: dict[str, str]) -> float:
+    """A histogram bucket's upper bound (`le`): a number or +Inf."""
+    if "le" not in labels:
+        raise MetricsRejected(f"{QUEUE_TIME}_bucket without le")
+    try:
+        le = float(labels["le"])
+    except ValueError:
+        raise MetricsRejected(f"{QUEUE_TIME}_bucket with le={labels['le']!r}, not a number") from None
+    if math.isnan(le):
+        raise MetricsRejected(f"{QUEUE_TIME}_bucket with le=NaN")
+    return le
+
+
 def parse(text: str) -> PodMetrics:
-    """Sum each series over its labels; histogram buckets keyed by their upper bound."""
+    """Sum each series over its labels; histogram buckets keyed by their upper bound. Raises
+    MetricsRejected for anything the policy could not use (module docstring)."""
     gauges: dict[str, float] = {}
     buckets: dict[float, float] = {}
     shed: set[str] | None = None
-    for family in text_string_to_metric_families(text):
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception as e:  # noqa: BLE001 - the parser raises ValueError, IndexError, ... on garbage
+        raise MetricsRejected(f"unparseable metrics text: {type(e).__name__}: {e}") from None
+    for family in families:
         if family.name not in READ_METRICS:
             continue
         if family.name == SHED_CLASS:
-            shed = {s.labels.get("priority_class", "") for s in family.samples if s.value >= 0.5}
+            shed = shed or set()
+            shed |= {s.labels.get("priority_class", "") for s in family.samples if _number(SHED_CLASS, s.value) >= 0.5}
             continue
         for sample in family.samples:
             if sample.name == QUEUE_TIME + "_bucket":
-                le = float(sample.labels["le"])
-                buckets[le] = buckets.get(le, 0.0) + sample.value
+                le = _bound(sample.labels)
+                buckets[le] = buckets.get(le, 0.0) + _number(sample.name, sample.value)
             elif sample.name == family.name:
-                gauges[family.name] = gauges.get(family.name, 0.0) + sample.value
-    return PodMetrics(kv_usage=gauges.get(KV_USAGE), waiting=gauges.get(WAITING, 0.0),
-                      running=gauges.get(RUNNING, 0.0), queue_cumulative=buckets,
-                      shed_classes=None if shed is None else frozenset(shed))
+                gauges[family.name] = gauges.get(family.name, 0.0) + _number(sample.name, sample.value)
+    kv = gauges.get(KV_USAGE)
+    if kv is not None and kv > 1.0:
+        raise MetricsRejected(f"{KV_USAGE}: {kv:g} is outside [0, 1]")
+    counts = [buckets[le] for le in sorted(buckets)]
+    if any(later < earlier for earlier, later in zip(counts, counts[1:])):
+        raise MetricsRejected(f"{QUEUE_TIME}: bucket counts are not cumulative")
+    return PodMetrics(kv_usage=kv, waiting=gauges.get(WAITING, 0.0), running=gauges.get(RUNNING, 0.0),
+                      queue_cumulative=buckets, shed_classes=None if shed is None else frozenset(shed))
 
 
 def bucket_delta(prev: dict[float, float] | None, cur: dict[float, float]) -> tuple[tuple[float, float], ...]:
@@ -111,23 +159,28 @@ class Scraper:
         self.shed_reported: dict[str, frozenset[str] | None] = {}  # pod name -> classes it sheds
 
     async def scrape(self, client: httpx.AsyncClient, pods: list[PodInfo], namespace: str) -> list[PodLoad]:
-        """Fetch every ready pod over `client` (the loop's shared one: connections are reused)."""
+        """Fetch every ready pod over `client` (the loop's shared one: connections are reused).
+        A pod that answers garbage loses its earlier metrics at once (they describe an engine that
+        no longer reports sanely); one that does not answer keeps them until they are stale."""
         ready = [p for p in pods if p.ready]
-        urls = [pod_url(p, namespace) for p in ready]
-        texts = await asyncio.gather(*(_fetch(client, u) if u else _none() for u in urls))
+        got = await asyncio.gather(*(fetch_metrics(client, pod_url(p, namespace)) for p in ready))
         now = self._clock()
         fresh: dict[str, tuple[PodMetrics, tuple[tuple[float, float], ...]]] = {}
-        for pod, text in zip(ready, texts):
-            if text is None:
-                continue
-            try:
-                metrics = parse(text)
-            except ValueError:
-                continue
-            prev = self._last.get(pod.uid)
-            fresh[pod.uid] = (metrics, bucket_delta(prev.metrics.queue_cumulative if prev else None,
-                                                     metrics.queue_cumulative))
-            self._last[pod.uid] = _Seen(now, metrics)
+        problems: dict[str, str] = {}
+        for pod, (text, problem) in zip(ready, got):
+            if text is not None:
+                try:
+                    metrics = parse(text)
+                except MetricsRejected as e:
+                    problem = str(e)
+                    self._last.pop(pod.uid, None)
+                else:
+                    prev = self._last.get(pod.uid)
+                    fresh[pod.uid] = (metrics, bucket_delta(prev.metrics.queue_cumulative if prev else None,
+                                                             metrics.queue_cumulative))
+                    self._last[pod.uid] = _Seen(now, metrics)
+            if problem is not None:
+                problems[pod.uid] = problem
         alive = {p.uid for p in pods}
         self._last = {uid: s for uid, s in self._last.items() if uid in alive}
         self.shed_reported = {p.name: fresh[p.uid][0].shed_classes for p in ready if p.uid in fresh}
@@ -135,21 +188,24 @@ class Scraper:
         for p in pods:
             seen = self._last.get(p.uid)
             if not p.ready or seen is None:
-                loads.append(PodLoad(name=p.name, ready=p.ready))
+                loads.append(PodLoad(name=p.name, ready=p.ready, problem=problems.get(p.uid)))
                 continue
             metrics, delta = fresh.get(p.uid, (seen.metrics, ()))
             loads.append(PodLoad(name=p.name, ready=True, age=now - seen.at, kv_usage=metrics.kv_usage,
-                                 waiting=metrics.waiting, running=metrics.running, queue_buckets=delta))
+                                 waiting=metrics.waiting, running=metrics.running, queue_buckets=delta,
+                                 problem=problems.get(p.uid)))
         return loads
 
 
-async def _fetch(client: httpx.AsyncClient, url: str) -> str | None:
+async def fetch_metrics(client: httpx.AsyncClient, url: str | None) -> tuple[str | None, str | None]:
+    """(the /metrics text, None) or (None, why there is none)."""
+    if url is None:
+        return None, "no pod IP yet"
     try:
-        resp = await client.get(url + "/metrics", timeout=SCRAPE_TIMEOUT_SECONDS)
-        return resp.text if resp.status_code == 200 else None
-    except httpx.HTTPError:
-        return None
-
-
-async def _none() -> None:
-    return None
+        status, body = await request(client, "GET", url + "/metrics", deadline=SCRAPE_DEADLINE_SECONDS,
+                                     max_bytes=SCRAPE_MAX_BYTES)
+    except PodHttpError as e:
+        return None, f"scrape failed: {e}"
+    if status != 200:
+        return None, f"scrape answered HTTP {status}"
+    return body.decode("utf-8", errors="replace"), None
