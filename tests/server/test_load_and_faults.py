@@ -176,7 +176,11 @@ def test_engine_loop_failure_fails_readiness() -> None:
             body = httpx.get(s.url + "/readyz").json()
             assert body["phase"] == "dead" and "device lost" in body["message"]
             assert httpx.post(s.v1 + "/chat/completions", json=chat()).status_code == 503
-            assert httpx.get(s.url + "/healthz").status_code == 200
+            # Liveness fails too, so the kubelet restarts the container (`magnitude serve` also exits).
+            r = httpx.get(s.url + "/healthz")
+            assert r.status_code == 503 and r.json()["status"] == "dead" and "device lost" in r.json()["message"]
+            r = httpx.get(s.url + "/health")
+            assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
         finally:
             FailingRunner.crash_steps = False
 
@@ -193,6 +197,10 @@ def test_not_ready_while_loading_then_progress_stream() -> None:
     with serve(slow_load, config, wait_ready=False) as s:
         r = httpx.get(s.url + "/readyz")
         assert r.status_code == 503 and r.json()["phase"] == "loading_weights"
+        # Loading is alive: liveness must not restart a pod that is still loading its model.
+        assert httpx.get(s.url + "/healthz").status_code == 200
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 200 and r.content == b""
         r = httpx.post(s.v1 + "/chat/completions", json=chat())
         assert r.status_code == 503 and "Retry-After" in r.headers
         events: list[str] = []

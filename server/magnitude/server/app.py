@@ -97,9 +97,20 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         return list(dict.fromkeys(names))
 
     # -- health, readiness, metrics ---------------------------------------------------------------
+    # Liveness: fails only when the engine can never serve again (its loop died), never while
+    # loading or deliberately not ready, so the kubelet restarts exactly the pods a restart fixes.
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> JSONResponse:
+        if engine.dead is not None:
+            return JSONResponse({"status": "dead", "message": engine.dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        """vLLM's shape: 200 with an empty body while alive; the same verdict as /healthz."""
+        if engine.dead is not None:
+            return APIError(503, engine.dead, code="engine_dead").response()
+        return Response(status_code=200)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:

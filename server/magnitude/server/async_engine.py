@@ -187,6 +187,9 @@ class AsyncEngine:
         self._aio: asyncio.AbstractEventLoop | None = None
         self._tracked: dict[str, _Tracked] = {}
         self._ready_event = threading.Event()
+        # Called (loop thread) once the engine loop has died and its requests were failed:
+        # `magnitude serve` makes the process exit so that the pod is restarted.
+        self.on_engine_dead: Callable[[BaseException], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -237,11 +240,19 @@ class AsyncEngine:
     def ready(self) -> bool:
         return self.phase == "ready" and self.loop is not None and self.loop.running and not self.stopping
 
+    @property
+    def dead(self) -> str | None:
+        """Why the engine can never serve again (its loop died), or None. Loading, shutting down
+        and a deliberately not-ready phase are alive: liveness must not restart them."""
+        if self.loop is not None and self.loop.dead is not None:
+            return f"engine loop failed: {self.loop.dead!r}"
+        return None
+
     def not_ready_reason(self) -> tuple[str, str]:
+        if self.dead is not None:
+            return "dead", self.dead
         if self.stopping:
             return "shutting_down", "server is shutting down"
-        if self.loop is not None and self.loop.dead is not None:
-            return "dead", f"engine loop failed: {self.loop.dead!r}"
         if self.phase == "failed":
             return "failed", f"model loading failed: {self.error}"
         return self.phase, f"model is loading (phase {self.phase}, {self.phase_progress:.0%})"
@@ -393,6 +404,8 @@ class AsyncEngine:
             if not tr.done:
                 self._fail(tr, "failed", 500, f"engine failed: {type(exc).__name__}: {exc}", "engine_dead")
         self._flush()
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(exc)
 
     def _prefill_progress(self, plan: StepPlan) -> None:
         for seq in plan.seqs:
