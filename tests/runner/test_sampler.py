@@ -148,3 +148,13 @@ def test_broken_logits_are_refused_for_greedy_rows_too():
     logits[1, 5] = float("nan")
     with pytest.raises(ValueError, match=r"rows \[1\]"):
         Sampler(torch.device("cpu"), seed=0).choose(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
+
+
+@pytest.mark.parametrize("top_p", [1e-12, 1e-300, 5e-324])
+def test_a_nucleus_too_small_for_float32_is_the_top_token(top_p):
+    # 1e-300 and 5e-324 round to 0.0 in float32: the nucleus must still hold the top token.
+    logits = _logits(3, seed=5)
+    params = [SamplingParams(temperature=1.0, top_p=top_p)] * 3
+    kept = [torch.isfinite(row).nonzero()[:, 0].tolist() for row in filter_logits(logits, params)]
+    assert kept == [[int(i)] for i in torch.argmax(logits, -1)]
+    assert Sampler(torch.device("cpu"), seed=0).choose(logits, params, [0] * 3) == torch.argmax(logits, -1).tolist()

@@ -71,8 +71,9 @@ def nucleus_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def _threshold_of_ranked(ranked: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(threshold [R, 1], cumulative mass [R, K]) over probabilities ranked in descending order."""
     mass = torch.cumsum(ranked, dim=-1)
-    inside = (mass - ranked) < top_p  # a prefix, at least one token long
-    return ranked.gather(1, inside.sum(dim=-1, keepdim=True) - 1), mass
+    inside = (mass - ranked) < top_p  # a prefix
+    # At least one token long: a top_p below float32's range (1e-300) rounds to 0, and 0 < 0 fails.
+    return ranked.gather(1, inside.sum(dim=-1, keepdim=True).clamp(min=1) - 1), mass
 
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
