@@ -4,6 +4,7 @@ deadlines, failing requests and a dying engine."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any
@@ -145,7 +146,8 @@ class FailingRunner(SimulatedRunner):
         return out
 
 
-def test_one_failing_request_fails_alone() -> None:
+def test_one_failing_request_fails_alone(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="magnitude")
     config = sim_config()
     with serve(simulated(config, runner_cls=FailingRunner), config) as s:
 
@@ -157,7 +159,12 @@ def test_one_failing_request_fails_alone() -> None:
                 )
 
         bad, good = asyncio.run(both())
-        assert bad.status_code == 500 and "injected fault" in bad.json()["error"]["message"]
+        # The cause is ours: the client gets a generic message naming the request id; the log has the cause.
+        error = bad.json()["error"]
+        assert bad.status_code == 500 and error["type"] == "server_error" and "injected fault" not in error["message"]
+        request_id = error["message"].rsplit("request id ", 1)[1].split()[0].rstrip(".;)")
+        assert request_id.startswith("cmpl-")
+        assert any(request_id in r.getMessage() and "injected fault" in r.getMessage() for r in caplog.records)
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 20
         assert httpx.get(s.url + "/readyz").status_code == 200
         wait_for(lambda: idle(s))
@@ -172,15 +179,17 @@ def test_engine_loop_failure_fails_readiness() -> None:
             for _ in range(3):
                 r = httpx.post(s.v1 + "/chat/completions", json=chat(max_tokens=50), timeout=30)
                 assert r.status_code in (500, 503), r.text
+                assert "device lost" not in r.text  # the exception's text stays in the log
             wait_for(lambda: httpx.get(s.url + "/readyz").status_code == 503)
             body = httpx.get(s.url + "/readyz").json()
-            assert body["phase"] == "dead" and "device lost" in body["message"]
-            assert httpx.post(s.v1 + "/chat/completions", json=chat()).status_code == 503
+            assert body["phase"] == "dead" and "device lost" not in body["message"]
+            r = httpx.post(s.v1 + "/chat/completions", json=chat())
+            assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready:dead" and "device lost" not in r.text
             # Liveness fails too, so the kubelet restarts the container (`magnitude serve` also exits).
             r = httpx.get(s.url + "/healthz")
-            assert r.status_code == 503 and r.json()["status"] == "dead" and "device lost" in r.json()["message"]
+            assert r.status_code == 503 and r.json()["status"] == "dead" and "device lost" not in r.text
             r = httpx.get(s.url + "/health")
-            assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead" and "device lost" not in r.text
         finally:
             FailingRunner.crash_steps = False
 
@@ -215,3 +224,23 @@ def test_not_ready_while_loading_then_progress_stream() -> None:
         assert any('"phase":"queued"' in e for e in events)
         assert [e for e in events if e][-1] == "data: [DONE]"
         assert httpx.get(s.url + "/readyz").status_code == 200
+
+
+def test_unexpected_exception_answers_a_generic_500_and_logs_the_cause(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="magnitude")
+    config = sim_config()
+    with serve(simulated(config), config) as s:
+
+        def broken_submit(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("secret detail /internal/path")
+
+        s.engine.submit = broken_submit  # type: ignore[method-assign]
+        r = httpx.post(s.v1 + "/chat/completions", json=chat())
+        error = r.json()["error"]
+        assert r.status_code == 500 and error["type"] == "server_error"
+        assert "secret" not in r.text and "RuntimeError" not in r.text
+        ref = error["message"].rsplit("request id ", 1)[1].split()[0].rstrip(".;)")
+        assert any(ref in rec.getMessage() for rec in caplog.records if rec.exc_info and "secret detail" in str(rec.exc_info[1]))
+        # 4xx messages that help the client keep their detail.
+        r = httpx.post(s.v1 + "/chat/completions", json=chat(temperature=3.0))
+        assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]

@@ -24,6 +24,7 @@ from magnitude.policy.schema import EngineConfig
 from magnitude.server.engine_loop import EngineLoop, StepStats, stats_of
 from magnitude.server.metrics import EngineMetrics, RequestRecord
 from magnitude.server.output_processor import OutputState, TokenLogprob
+from magnitude.server.protocol import internal_error_message
 from magnitude.server.tokenization import PromptRenderer
 
 log = logging.getLogger("magnitude.async_engine")
@@ -245,7 +246,7 @@ class AsyncEngine:
         """Why the engine can never serve again (its loop died), or None. Loading, shutting down
         and a deliberately not-ready phase are alive: liveness must not restart them."""
         if self.loop is not None and self.loop.dead is not None:
-            return f"engine loop failed: {self.loop.dead!r}"
+            return "the engine loop failed; the server log has the cause"  # logged when it died
         return None
 
     def not_ready_reason(self) -> tuple[str, str]:
@@ -254,7 +255,7 @@ class AsyncEngine:
         if self.stopping:
             return "shutting_down", "server is shutting down"
         if self.phase == "failed":
-            return "failed", f"model loading failed: {self.error}"
+            return "failed", "model loading failed; the server log has the cause"  # logged when it failed
         return self.phase, f"model is loading (phase {self.phase}, {self.phase_progress:.0%})"
 
     async def wait_ready(self, on_progress: Callable[[Progress], Any] | None = None, timeout_s: float = 600.0) -> None:
@@ -384,10 +385,10 @@ class AsyncEngine:
                 continue
             try:
                 self._apply_update(tr, upd, sampled.get(upd.request_id), now)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the loop
-                log.exception("output processing failed for %s", upd.request_id)
+            except Exception:  # noqa: BLE001 - one request's failure must not stop the loop
+                log.exception("output processing failed for request id %s", upd.request_id)
                 self.loop.scheduler.abort(upd.request_id, now, reason="output_error")
-                self._fail(tr, "failed", 500, f"output processing failed: {type(exc).__name__}: {exc}", "internal_error")
+                self._fail(tr, "failed", 500, internal_error_message(upd.request_id), "internal_error")
         for ev in self.loop.scheduler.drain_events():
             tr = self._tracked.get(ev.request_id) if ev.request_id else None
             if tr is not None and ev.kind == "admit" and ev.reason == "scheduled":
@@ -402,7 +403,7 @@ class AsyncEngine:
         self.metrics.engine_ready.set(0)
         for tr in list(self._tracked.values()):
             if not tr.done:
-                self._fail(tr, "failed", 500, f"engine failed: {type(exc).__name__}: {exc}", "engine_dead")
+                self._fail_internal(tr, f"engine failed: {type(exc).__name__}: {exc}", "engine_dead")
         self._flush()
         if self.on_engine_dead is not None:
             self.on_engine_dead(exc)
@@ -444,7 +445,7 @@ class AsyncEngine:
         if status == "finished" and reason in ("stop", "length"):
             self._finish(tr, reason, None)
         elif status == "finished":  # finished with an error text (e.g. the runner failed this request)
-            self._fail(tr, "failed", 500, f"request failed: {reason}", "request_failed")
+            self._fail_internal(tr, f"request failed: {reason}", "request_failed")
         elif status == "timed_out":
             self._fail(tr, status, 504, f"deadline_ms exceeded: {reason}", "deadline_exceeded")
         elif status == "rejected":
@@ -453,7 +454,7 @@ class AsyncEngine:
         elif status == "cancelled":
             self._fail(tr, status, 503, f"request cancelled: {reason}", "cancelled")
         else:
-            self._fail(tr, "failed", 500, f"request failed: {reason}", "request_failed")
+            self._fail_internal(tr, f"request failed: {reason}", "request_failed")
 
     def _observe_queue_time(self, tr: _Tracked) -> None:
         # The scheduler emits "admit/scheduled" once, when it sets admitted_time: one observation per request.
@@ -506,6 +507,12 @@ class AsyncEngine:
         self.metrics.observe_request(rec)
         tr.events.append(Failed(http_status, message, code))
         tr.done = True
+
+    def _fail_internal(self, tr: _Tracked, cause: str, code: str) -> None:
+        """A 500 whose cause is ours: the cause is logged with the request id, the client gets a
+        generic message naming that id."""
+        log.error("request id %s failed (%s): %s", tr.request.request_id, code, cause)
+        self._fail(tr, "failed", 500, internal_error_message(tr.request.request_id), code)
 
     def _queue_positions(self) -> None:
         assert self.loop is not None

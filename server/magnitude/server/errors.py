@@ -2,21 +2,23 @@
 
 `APIError` is raised by handlers; the exception handlers installed by `install_error_handlers`
 turn it, FastAPI's validation errors (400: OpenAI answers invalid parameters with 400), routing
-errors (404/405) and anything unexpected (500, logged) into
-`{"error": {"message", "type", "param", "code"}}`.
+errors (404/405) and anything unexpected (500) into `{"error": {"message", "type", "param", "code"}}`.
+A 5xx whose cause is ours never carries exception text: the cause is logged with a request id and
+the client gets a generic message naming that id; 4xx messages keep the detail that helps the client.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from magnitude.server.protocol import error_body
+from magnitude.server.protocol import error_body, internal_error_message
 
 log = logging.getLogger("magnitude.server")
 
@@ -119,5 +121,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+        reference = f"err-{uuid.uuid4().hex}"
+        log.exception("unhandled error on %s %s (request id %s)", request.method, request.url.path, reference)
+        return JSONResponse(error_body(internal_error_message(reference), "server_error"), status_code=500)

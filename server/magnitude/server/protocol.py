@@ -160,3 +160,9 @@ class SheddingRequest(BaseModel):
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def internal_error_message(request_id: str) -> str:
+    """The message of an error whose cause is the server's own: the cause (exception text, paths,
+    device errors) goes to the server log under `request_id`, never to the client."""
+    return f"internal error while processing the request; the server log has the cause under request id {request_id}"
