@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import openai
 import pytest
 
 from magnitude.server.app import ServerSettings
+from magnitude.server.body_limit import context_body_bytes
 from magnitude.server.simulated_runner import SIM_TEXT, ByteTokenizer
 
 from .conftest import RunningServer, serve, sim_config, simulated
@@ -243,3 +245,74 @@ def test_queued_positions_count_down_to_the_head() -> None:
     assert all(r == sorted(r, reverse=True) and len(set(r)) == len(r) for r in runs), runs  # only ever moves up
     assert all(r[-1] == 0 for r in runs), runs  # each reached the head before it ran
     assert max(r[0] for r in runs) >= 2, runs  # with one running slot, someone queued behind two others
+
+
+class CountingRenderer:
+    """Wraps the engine's PromptRenderer: counts tokenizer work and the threads it ran on."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.inner, name)
+        if name not in ("chat", "text", "check_ids"):
+            return attr
+
+        def counted(*args: object) -> object:
+            self.calls.append((name, threading.current_thread().name))
+            return attr(*args)
+
+        return counted
+
+
+def test_prompt_over_the_character_bound_is_refused_before_tokenizing() -> None:
+    """A prompt with more characters than the context's tokens times the longest token can never
+    fit: 400 naming the limit, with no template rendering or tokenizing (4 M characters once cost
+    seconds of CPU and hundreds of MB before the token count refused them)."""
+    config = sim_config(admission__max_model_len=96)
+    with serve(simulated(config), config, ServerSettings(max_body_bytes=64 << 20)) as s:
+        renderer = CountingRenderer(s.engine.renderer)
+        s.engine.renderer = renderer  # type: ignore[assignment]
+        limit = s.engine.max_prompt_chars
+        assert limit == 96 * len("<|endoftext|>")  # context x the longest token, a 13-character special
+        for path, body in [
+            ("/chat/completions", {"messages": [{"role": "user", "content": "x" * 4_000_000}]}),
+            ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * (limit + 1)}]}]}),
+            ("/completions", {"prompt": "z" * (limit + 1)}),
+            ("/completions", {"prompt": ["z" * (limit + 1)]}),
+        ]:
+            r = httpx.post(s.v1 + path, json={"model": "simulated", **body})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+            assert f"at most {limit} characters" in error["message"]
+        assert renderer.calls == []
+        # At the bound the prompt is tokenized (and its token count decides), in a worker thread.
+        r = httpx.post(s.v1 + "/completions", json={"model": "simulated", "prompt": "z" * 50, "max_tokens": 2})
+        assert r.status_code == 200
+        assert [name for name, _ in renderer.calls] == ["text"]
+
+
+def test_token_id_prompts_are_length_checked_first_and_checked_off_the_event_loop() -> None:
+    config = sim_config(admission__max_model_len=96)
+    with serve(simulated(config), config, ServerSettings(max_body_bytes=64 << 20)) as s:
+        renderer = CountingRenderer(s.engine.renderer)
+        s.engine.renderer = renderer  # type: ignore[assignment]
+        r = httpx.post(s.v1 + "/completions", json={"model": "simulated", "prompt": [65] * 1_000_000})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert renderer.calls == []  # refused on its length, before a million ids were checked
+        r = httpx.post(s.v1 + "/completions", json={"model": "simulated", "prompt": [65] * 20, "max_tokens": 2})
+        assert r.status_code == 200
+        [(name, thread)] = renderer.calls
+        assert name == "check_ids" and not thread.startswith("uvicorn-")
+
+
+def test_default_body_limit_is_what_the_context_can_use() -> None:
+    config = sim_config(admission__max_model_len=96)
+    with serve(simulated(config), config) as s:
+        r = httpx.post(s.v1 + "/chat/completions",
+                       json={"model": "simulated", "messages": [{"role": "user", "content": "x" * 4_000_000}]})
+        assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+        assert s.engine.max_body_bytes == context_body_bytes(96 * len("<|endoftext|>"), 96) < 4_000_000
+        ok = {"model": "simulated", "messages": [{"role": "user", "content": "ok"}], "max_tokens": 2}
+        assert httpx.post(s.v1 + "/chat/completions", json=ok).status_code == 200

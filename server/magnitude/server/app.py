@@ -50,7 +50,7 @@ class ServerSettings:
     served_model_name: str | None = None  # extra name clients may use for the model
     shutdown_grace_s: float = 30.0
     loading_wait_s: float = 600.0  # how long a streaming request with include_progress waits for loading
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int | None = None  # None: what the model's context can use (DEFAULT_MAX_BODY_BYTES while loading)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerSettings":
@@ -77,7 +77,10 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         await engine.shutdown(grace_s=0.0 if engine.stopping else settings.shutdown_grace_s)
 
     app = FastAPI(title="Magnitude", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=lambda: settings.max_body_bytes or engine.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+    )
     app.state.engine = engine
     app.state.settings = settings
     install_error_handlers(app)
@@ -179,15 +182,27 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         renderer = engine.renderer
         assert renderer is not None
         prompt_param = "messages" if chat else "prompt"
+        limit = engine.max_model_len
+        # Bounded before any rendering or tokenizing: more characters (or ids) than can fit.
+        chars = body.prompt_chars
+        if chars > engine.max_prompt_chars:
+            raise APIError(
+                400,
+                f"{prompt_param} has {chars} characters; at most {engine.max_prompt_chars} characters can fit "
+                f"the model's context of {limit} tokens ({renderer.max_chars_per_token} characters per token at most)",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         try:
             if isinstance(body, ChatCompletionRequest):
                 messages = [{"role": m.role, "content": m.text} for m in body.messages]
                 ids = await asyncio.to_thread(renderer.chat, messages)
             elif isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
-                ids = list(body.prompt)  # type: ignore[arg-type]
-                bad = renderer.check_ids(ids)
-                if bad is not None:
-                    raise APIError(400, f"prompt token id {ids[bad]} at index {bad} is outside the vocabulary", param="prompt")
+                ids = body.prompt  # type: ignore[assignment]
+                if len(ids) < limit:
+                    bad = await asyncio.to_thread(renderer.check_ids, ids)
+                    if bad is not None:
+                        raise APIError(400, f"prompt token id {ids[bad]} at index {bad} is outside the vocabulary", param="prompt")
             else:
                 text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
                 ids = await asyncio.to_thread(renderer.text, text)  # type: ignore[arg-type]
@@ -197,7 +212,6 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             raise APIError(400, f"could not render {prompt_param}: {exc}", param=prompt_param) from exc
         if not ids:
             raise APIError(400, f"{prompt_param} is empty after tokenization", param=prompt_param)
-        limit = engine.max_model_len
         if len(ids) >= limit:
             raise APIError(
                 400,

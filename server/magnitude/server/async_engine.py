@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from magnitude.engine.output import RunnerOutput, StepPlan
 from magnitude.engine.sampling import SamplingParams
 from magnitude.policy.schema import EngineConfig
+from magnitude.server.body_limit import context_body_bytes
 from magnitude.server.engine_loop import EngineLoop, StepStats, stats_of
 from magnitude.server.metrics import EngineMetrics, RequestRecord
 from magnitude.server.output_processor import OutputState, TokenLogprob
@@ -182,6 +183,8 @@ class AsyncEngine:
         self.loop: EngineLoop | None = None
         self.model_name = ""
         self.max_model_len = 0
+        self.max_prompt_chars = 0  # longer prompts cannot fit the context: refused before tokenizing
+        self.max_body_bytes: int | None = None  # what a request that fits the context can need
         self.stopping = False
         self.shed_classes: set[str] = set()
         self.last_stats: StepStats | None = None
@@ -212,6 +215,8 @@ class AsyncEngine:
             self.model_name = runner.model_name
             self.max_model_len = min(runner.max_model_len, self.config.admission.max_model_len or runner.max_model_len)
             self.renderer = PromptRenderer(runner.tokenizer)
+            self.max_prompt_chars = self.renderer.max_prompt_chars(self.max_model_len)
+            self.max_body_bytes = context_body_bytes(self.max_prompt_chars, self.max_model_len)
             scheduler = Scheduler(
                 self.config,
                 num_blocks=runner.num_blocks,

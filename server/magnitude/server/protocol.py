@@ -98,6 +98,12 @@ class ChatMessage(_Lenient):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
+    @property
+    def num_chars(self) -> int:
+        if isinstance(self.content, list):
+            return sum(len(p.text) for p in self.content)
+        return len(self.content or "")
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
@@ -114,6 +120,11 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def prompt_chars(self) -> int:
+        """Characters of the message texts: the chat template only adds to them."""
+        return sum(m.num_chars for m in self.messages)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -140,6 +151,13 @@ class CompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def prompt_chars(self) -> int:
+        """Characters of a text prompt; 0 for token ids (their count is checked against the context)."""
+        if isinstance(self.prompt, str):
+            return len(self.prompt)
+        return len(self.prompt[0]) if isinstance(self.prompt[0], str) else 0
 
     @property
     def num_logprobs(self) -> int | None:

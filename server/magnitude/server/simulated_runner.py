@@ -40,6 +40,9 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return 256 + len(self.SPECIALS)
 
+    def get_vocab(self) -> dict[str, int]:
+        return {**{bytes([i]).decode("latin-1"): i for i in range(256)}, **self.special_ids}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = []
         for part in self._split.split(text):
