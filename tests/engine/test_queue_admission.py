@@ -6,7 +6,7 @@ import pytest
 from sched_helpers import fake_output, make_request, make_scheduler
 
 from magnitude.engine.admission import QueueView, check_admission
-from magnitude.engine.queue import RequestQueue
+from magnitude.engine.queue import COMPACT_SLACK, RequestQueue
 from magnitude.policy.schema import AdmissionPolicy
 
 
@@ -129,3 +129,28 @@ def test_retry_after_follows_the_measured_drain_rate() -> None:
     assert d.reason == "queue_full"
     assert d.retry_after_s is not None and d.retry_after_s >= 1.0
     assert s.stats().drain_tokens_per_s == pytest.approx(16.0)
+
+
+def test_cancelled_waiting_requests_leave_the_tenant_heap_without_reaching_its_head() -> None:
+    # The head stays queued, so lazy deletion at the head never reaches the 1,000 behind it: their
+    # entries (and prompt ids) must still be compacted away.
+    q = RequestQueue(aging_seconds=None)
+    queued(q, "head", 0, 0.0)
+    behind = [queued(q, f"r{i}", 1, 1.0 + i) for i in range(1000)]
+    for r in behind:
+        q.remove(r)
+        r.status = r.status.CANCELLED
+    assert len(q) == 1
+    assert q.num_entries <= 2 * len(q) + COMPACT_SLACK
+    assert drain(q, 0.0) == ["head"]
+
+
+def test_compaction_keeps_the_order_of_the_live_requests() -> None:
+    q = RequestQueue(aging_seconds=None)
+    reqs = [queued(q, f"r{i}", i % 3, float(i), tenant=f"t{i % 2}") for i in range(400)]
+    for r in reqs[::3] + reqs[1::3]:
+        q.remove(r)
+        r.status = r.status.CANCELLED
+    assert q.num_entries <= 2 * len(q) + COMPACT_SLACK
+    live = reqs[2::3]
+    assert drain(q, 0.0) == [r.request_id for r in sorted(live, key=lambda r: (r.priority, r.arrival_time))]

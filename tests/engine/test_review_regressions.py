@@ -7,6 +7,8 @@ import random
 
 from sched_helpers import fake_output, make_request, make_scheduler
 
+from magnitude.engine.queue import COMPACT_SLACK
+
 
 def test_swap_copies_in_runner_order_bring_back_each_requests_own_kv() -> None:
     """Model the KV contents as labels: the forward pass labels every block of a resident request
@@ -87,3 +89,24 @@ def test_per_tenant_state_is_dropped_when_the_tenant_is_idle() -> None:
     s.schedule(t)
     assert not s.requests
     assert len(s._running_by_tenant) + len(s._last_service) + len(s._tenant_caps) == 0
+
+
+def test_deadline_entries_of_finished_requests_are_compacted() -> None:
+    s = make_scheduler("admission.maxQueuedRequests=5000", "admission.maxQueuedTokens=1000000", num_blocks=64)
+    reqs = [make_request(f"r{i}", 4, 1, arrival=0.0, deadline=1000.0 + i) for i in range(1000)]
+    for r in reqs:
+        assert s.add_request(r, 0.0).accepted
+    for r in reqs[:-1]:
+        s.abort(r.request_id, 1.0)
+    assert len(s._deadlines) <= 2 * 1 + COMPACT_SLACK  # one live deadline, not 1,000 entries until t=1000
+    assert s.queue.num_entries <= 2 * 1 + COMPACT_SLACK
+
+
+def test_a_reused_request_id_is_not_timed_out_by_its_predecessor_s_deadline() -> None:
+    s = make_scheduler(num_blocks=64)
+    s.add_request(make_request("x", 4, 1, arrival=0.0, deadline=5.0), 0.0)
+    s.abort("x", 1.0)
+    again = make_request("x", 4, 50, arrival=2.0, deadline=100.0)
+    s.add_request(again, 2.0)
+    s.schedule(6.0)
+    assert not again.status.is_terminal, again.finish_reason

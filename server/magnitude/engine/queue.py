@@ -8,7 +8,9 @@ stays valid as time passes. Without aging the key is `(priority, arrival)`.
 Fairness is hierarchical: the best key decides the *level* (its effective priority rounded up);
 among tenants whose best request is at that level, the tenant with the fewest running
 sequences per weight, then the least recently served, goes first. One heap per tenant keeps a
-pick O(tenants), independent of the queue length. Removal is lazy (a generation number).
+pick O(tenants), independent of the queue length. Removal is lazy (a generation number), and a
+heap whose dead entries outnumber its live ones (plus COMPACT_SLACK) is rebuilt, so cancelled
+requests and their prompt ids do not stay behind a head that never leaves (amortised O(1)).
 Pure: no I/O.
 """
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from magnitude.engine.request import Request, RequestStatus
 
 QueueKey = tuple[float, float, int]
+COMPACT_SLACK = 64  # dead heap entries tolerated beyond the live count before a rebuild
 
 
 def queue_key(priority: int, arrival: float, seq: int, aging_seconds: float | None) -> QueueKey:
@@ -36,6 +39,12 @@ def effective_level(priority: int, arrival: float, now: float, aging_seconds: fl
     if aging_seconds is None:
         return priority
     return priority - math.floor(max(0.0, now - arrival) / aging_seconds)
+
+
+def _live(entry: tuple[QueueKey, Request]) -> bool:
+    """An entry is live while its request is still queued under it (not removed, not re-pushed)."""
+    key, request = entry
+    return request.queue_seq == key[2] and request.status is RequestStatus.WAITING
 
 
 @dataclass(slots=True)
@@ -88,12 +97,19 @@ class RequestQueue:
         self.num_requests -= 1
         self.num_tokens -= work
         request.queue_seq = -1
+        if len(tq.heap) > 2 * tq.num_requests + COMPACT_SLACK:
+            tq.heap = [entry for entry in tq.heap if _live(entry)]
+            heapq.heapify(tq.heap)
+
+    @property
+    def num_entries(self) -> int:
+        """Heap entries, live or not yet compacted: at most 2 x live + COMPACT_SLACK per tenant."""
+        return sum(len(tq.heap) for tq in self._tenants.values())
 
     def _head(self, tenant: str, tq: _TenantQueue) -> tuple[QueueKey, Request] | None:
         heap = tq.heap
         while heap:
-            key, req = heap[0]
-            if req.queue_seq == key[2] and req.status is RequestStatus.WAITING:
+            if _live(heap[0]):
                 return heap[0]
             heapq.heappop(heap)
         return None
@@ -148,12 +164,7 @@ class RequestQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """Live queued requests in key order (O(n log n): reports and progress only)."""
-        live = [
-            (k, r)
-            for tq in self._tenants.values()
-            for k, r in tq.heap
-            if r.queue_seq == k[2] and r.status is RequestStatus.WAITING
-        ]
+        live = [entry for tq in self._tenants.values() for entry in tq.heap if _live(entry)]
         live.sort(key=lambda h: h[0])
         return iter([r for _, r in live])
 
@@ -162,9 +173,4 @@ class RequestQueue:
         if request.queue_seq < 0 or request.status is not RequestStatus.WAITING:
             return None
         key = self.key_of(request)
-        return sum(
-            1
-            for tq in self._tenants.values()
-            for k, r in tq.heap
-            if k < key and r.queue_seq == k[2] and r.status is RequestStatus.WAITING
-        )
+        return sum(1 for tq in self._tenants.values() for entry in tq.heap if entry[0] < key and _live(entry))

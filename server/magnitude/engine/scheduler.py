@@ -31,7 +31,7 @@ from magnitude.engine.admission import AdmissionDecision, QueueView, check_admis
 from magnitude.engine.events import EventKind, SchedulerEvent
 from magnitude.engine.kv_cache import KVCacheManager
 from magnitude.engine.output import RequestUpdate, RunnerOutput, ScheduledSeq, StepPlan
-from magnitude.engine.queue import RequestQueue, queue_key
+from magnitude.engine.queue import COMPACT_SLACK, RequestQueue, queue_key
 from magnitude.engine.request import Request, RequestStatus
 from magnitude.engine.stats import SchedulerStats
 from magnitude.policy.schema import EngineConfig
@@ -94,6 +94,7 @@ class Scheduler:
         self._tenant_caps: dict[str, tuple[int, int, float]] = {}
         self._deadlines: list[tuple[float, int, str]] = []  # ids: a finished request is not kept alive
         self._deadline_seq = itertools.count()
+        self._num_deadlines = 0  # live requests with a deadline; dead heap entries are compacted
         self._to_release: list[str] = []
         self.events: deque[SchedulerEvent] = deque(maxlen=max_events)
         self.shedding: frozenset[str] = frozenset()
@@ -155,6 +156,7 @@ class Scheduler:
         self.queue.push(request)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_seq), request.request_id))
+            self._num_deadlines += 1
         return decision
 
     def abort(
@@ -203,7 +205,8 @@ class Scheduler:
         request.status = status
         request.finish_time = now
         request.finish_reason = reason
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None and request.deadline is not None:
+            self._forget_deadline()
         self._to_release.append(request.request_id)
         if status is RequestStatus.REJECTED:
             self._count(self._stats.rejections, reason)
@@ -442,13 +445,25 @@ class Scheduler:
         self._count(self._stats.preemptions, (mode, reason))
         self._event(now, "preempt", req.request_id, reason, mode=mode)
 
+    def _deadline_live(self, entry: tuple[float, int, str]) -> bool:
+        """The entry's request is still here, and it is the one that pushed it: an id a client
+        reuses after its first request ended must not inherit that request's deadline."""
+        req = self.requests.get(entry[2])
+        return req is not None and req.deadline == entry[0] and not req.status.is_terminal
+
+    def _forget_deadline(self) -> None:
+        """A request with a deadline left: rebuild the heap once dead entries outnumber live ones
+        (plus COMPACT_SLACK), instead of keeping them until their deadlines pass."""
+        self._num_deadlines -= 1
+        if len(self._deadlines) > 2 * self._num_deadlines + COMPACT_SLACK:
+            self._deadlines = [e for e in self._deadlines if self._deadline_live(e)]
+            heapq.heapify(self._deadlines)
+
     def _expire_deadlines(self, now: float) -> None:
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            _, _, rid = heapq.heappop(heap)
-            req = self.requests.get(rid)
-            if req is not None and not req.status.is_terminal:
-                self._terminate(req, RequestStatus.TIMED_OUT, "deadline", now)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            entry = heapq.heappop(self._deadlines)
+            if self._deadline_live(entry):
+                self._terminate(self.requests[entry[2]], RequestStatus.TIMED_OUT, "deadline", now)
 
     # ------------------------------------------------------------------ ordering and quotas
     def _key(self, req: Request) -> tuple[float, float, int]:
