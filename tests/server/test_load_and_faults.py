@@ -244,3 +244,41 @@ def test_unexpected_exception_answers_a_generic_500_and_logs_the_cause(caplog: p
         # 4xx messages that help the client keep their detail.
         r = httpx.post(s.v1 + "/chat/completions", json=chat(temperature=3.0))
         assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
+class StuckRunner(SimulatedRunner):
+    """A runner whose step hangs (a wedged device, a deadlock) until released."""
+
+    release = threading.Event()
+    hang = False
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        if self.hang:
+            self.release.wait(30)
+        return super().execute(plan)
+
+
+def test_a_step_stuck_past_the_stall_timeout_fails_liveness_until_it_returns() -> None:
+    """A hung engine serves nobody and, unlike a dead one, never says so: liveness fails while one
+    step has run longer than `stall_timeout_s`, so the kubelet restarts the pod."""
+    config = sim_config()
+    with serve(simulated(config, runner_cls=StuckRunner), config) as s:
+        s.engine.stall_timeout_s = 0.3
+        StuckRunner.release.clear()
+        StuckRunner.hang = True
+        try:
+            with httpx.Client(timeout=30) as c:
+                pending = threading.Thread(target=lambda: c.post(s.v1 + "/chat/completions", json=chat()))
+                pending.start()
+                wait_for(lambda: httpx.get(s.url + "/healthz").status_code == 503)
+                body = httpx.get(s.url + "/healthz").json()
+                assert body["status"] == "stalled" and "0.3" in body["message"]
+                assert httpx.get(s.url + "/health").status_code == 503
+                StuckRunner.hang = False
+                StuckRunner.release.set()
+                pending.join(30)
+            wait_for(lambda: httpx.get(s.url + "/healthz").status_code == 200)
+            assert httpx.post(s.v1 + "/chat/completions", json=chat()).status_code == 200
+        finally:
+            StuckRunner.hang = False
+            StuckRunner.release.set()

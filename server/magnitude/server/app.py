@@ -100,19 +100,21 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         return list(dict.fromkeys(names))
 
     # -- health, readiness, metrics ---------------------------------------------------------------
-    # Liveness: fails only when the engine can never serve again (its loop died), never while
-    # loading or deliberately not ready, so the kubelet restarts exactly the pods a restart fixes.
+    # Liveness: fails only when a restart is the fix (the engine loop died, or a step hung), never
+    # while loading or deliberately not ready, so the kubelet restarts exactly those pods.
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
-        if engine.dead is not None:
-            return JSONResponse({"status": "dead", "message": engine.dead}, status_code=503)
+        failure = engine.liveness_failure
+        if failure is not None:
+            return JSONResponse({"status": failure[0], "message": failure[1]}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/health")
     async def health() -> Response:
         """vLLM's shape: 200 with an empty body while alive; the same verdict as /healthz."""
-        if engine.dead is not None:
-            return APIError(503, engine.dead, code="engine_dead").response()
+        failure = engine.liveness_failure
+        if failure is not None:
+            return APIError(503, failure[1], code=f"engine_{failure[0]}").response()
         return Response(status_code=200)
 
     @app.get("/readyz")

@@ -31,6 +31,8 @@ from magnitude.server.tokenization import PromptRenderer
 log = logging.getLogger("magnitude.async_engine")
 
 ProgressFn = Callable[[str, float], None]
+# A forward pass this long is hung, not slow: a 512-token prefill takes about a second on two CPU cores.
+DEFAULT_STALL_TIMEOUT_S = 300.0
 TERMINAL_EVENT_KINDS = {"finish": "finished", "cancel": "cancelled", "timeout": "timed_out", "reject": "rejected"}
 
 
@@ -169,8 +171,10 @@ class AsyncEngine:
         metrics: EngineMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         self.config = config
+        self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics
         self.clock = clock
         self._load_runner = load_runner
@@ -252,6 +256,17 @@ class AsyncEngine:
         and a deliberately not-ready phase are alive: liveness must not restart them."""
         if self.loop is not None and self.loop.dead is not None:
             return "the engine loop failed; the server log has the cause"  # logged when it died
+        return None
+
+    @property
+    def liveness_failure(self) -> tuple[str, str] | None:
+        """(status, message) when a restart is the fix: the loop died, or one step has hung past
+        `stall_timeout_s`; None while alive, loading and deliberately not ready included."""
+        if self.dead is not None:
+            return "dead", self.dead
+        stalled = self.loop.stalled_for() if self.loop is not None else 0.0
+        if stalled > self.stall_timeout_s:
+            return "stalled", f"one engine step has run {stalled:.1f} s, over the stall timeout of {self.stall_timeout_s} s"
         return None
 
     def not_ready_reason(self) -> tuple[str, str]:

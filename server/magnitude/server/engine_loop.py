@@ -9,7 +9,8 @@ scheduler's state stable while a plan executes.
 Failure isolation: a runner exception for one step fails that step's requests (as
 `RunnerOutput.failed`) and the loop continues; several consecutive whole-step failures, or any
 exception from the scheduler itself, mark the loop dead (`dead` holds the exception) so `/readyz`
-fails and Kubernetes restarts the pod.
+and liveness fail and Kubernetes restarts the pod. A step that hangs raises nothing:
+`stalled_for()` says how long the running forward pass has taken, for liveness to judge.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class EngineLoop:
         self.dead: BaseException | None = None
         self.steps = 0
         self._failures = 0
+        self.step_started: float | None = None  # clock() when the running forward pass began; None between
 
     # -- control (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -183,7 +185,14 @@ class EngineLoop:
             if not plan.released and not self._stopping and not self._pending_aborts:
                 self._wake.wait(EMPTY_PLAN_BACKOFF_S)
 
+    def stalled_for(self) -> float:
+        """Seconds the forward pass now running has taken (0.0 between steps): a hung device or
+        deadlock never raises, so liveness watches this instead."""
+        started = self.step_started
+        return 0.0 if started is None else max(0.0, self.clock() - started)
+
     def _execute(self, plan: StepPlan) -> RunnerOutput:
+        self.step_started = self.clock()
         try:
             output = self.runner.execute(plan)
             self._failures = 0
@@ -195,3 +204,5 @@ class EngineLoop:
                 raise
             message = f"runner error: {type(exc).__name__}: {exc}"
             return RunnerOutput(failed={s.request_id: message for s in plan.seqs})
+        finally:
+            self.step_started = None
