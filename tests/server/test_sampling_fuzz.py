@@ -4,7 +4,9 @@
 `test_fuzz.py` drives the simulated runner, which ignores sampling parameters; the sampler's
 failure modes (a temperature too small to represent, a nucleus of 1e-12, extreme seeds, top-k
 past the vocabulary, logprobs) only show on real logits. Requests go out in concurrent waves so
-that extreme rows share steps with ordinary ones. The figures are printed (run with `-s`).
+that extreme rows share steps with ordinary ones. Faults are injected too: about one request in
+ten is marked (by its seed) and its logits are poisoned with NaN at the runner's sampling step;
+exactly those requests must fail (500), alone. The figures are printed (run with `-s`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from .conftest import RunningServer
 
 NUM_REQUESTS = 120
 WAVE = 24  # concurrent requests: they share the engine's steps
+POISON_SEED = 4_242_424_242  # marks a request whose logits the injected fault turns to NaN
+POISON_RATE = 0.1
 
 TEMPERATURES = [0.0, 5e-324, 1e-45, 1e-40, 1e-30, 1e-8, 1e-6, 1e-5, 1e-3, 0.3, 1.0, 2.0]
 TOP_PS = [5e-324, 1e-300, 1e-12, 1e-5, 0.1, 0.9, 1.0]
@@ -43,6 +48,8 @@ def random_body(rng: random.Random, model: str) -> tuple[str, dict[str, Any]]:
         "ignore_eos": rng.random() < 0.3,
         "deadline_ms": rng.choice([None, 600_000.0]),
     }
+    if rng.random() < POISON_RATE:
+        body["seed"] = POISON_SEED
     if rng.random() < 0.4:
         body["stream"] = True
         body["stream_options"] = {"include_usage": rng.random() < 0.5, "include_progress": rng.random() < 0.5}
@@ -77,11 +84,30 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tup
     return r.status_code, text
 
 
-def test_random_sampling_parameters_never_fail_a_request_or_leak_blocks(model_server: RunningServer) -> None:
+def poison_marked_rows(runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection at the runner: NaN logits for the rows of requests marked by POISON_SEED
+    (one row per sampling sequence: this server proposes no drafts)."""
+    original = runner._sample
+
+    def _sample(samplers: list[Any], logits: Any, out: Any) -> None:
+        marked = [i for i, w in enumerate(samplers) if w.seq.sampling.seed == POISON_SEED]
+        if marked:
+            logits = logits.clone()
+            logits[marked, 0] = float("nan")
+        original(samplers, logits, out)
+
+    monkeypatch.setattr(runner, "_sample", _sample)
+
+
+def test_random_sampling_parameters_and_faults_fail_no_innocent_request_and_leak_no_block(
+    model_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s = model_server
     model = s.engine.model_name
+    poison_marked_rows(s.engine.runner, monkeypatch)
     rng = random.Random(11)
     bodies = [random_body(rng, model) for _ in range(NUM_REQUESTS)]
+    poisoned = [body.get("seed") == POISON_SEED for _, body in bodies]
 
     async def run() -> list[tuple[int, str]]:
         results: list[tuple[int, str]] = []
@@ -94,8 +120,9 @@ def test_random_sampling_parameters_never_fail_a_request_or_leak_blocks(model_se
     t0 = time.monotonic()
     results = asyncio.run(run())
     elapsed = time.monotonic() - t0
-    server_errors = [(bodies[i][1], text) for i, (status, text) in enumerate(results) if status >= 500]
+    server_errors = [(bodies[i][1], text) for i, (status, text) in enumerate(results) if status >= 500 and not poisoned[i]]
     ok = sum(1 for status, _ in results if status == 200)
+    faults_failed = [status >= 500 and "server_error" in text for (status, text), p in zip(results, poisoned) if p]
     loop = s.engine.loop
     assert loop is not None
     with loop.lock:
@@ -103,9 +130,11 @@ def test_random_sampling_parameters_never_fail_a_request_or_leak_blocks(model_se
         kv.check_invariants()
         leaked = kv.num_blocks - kv.num_free_blocks
         busy = loop.scheduler.has_work()
-    print(f"\nsampling fuzz (real runner, real HTTP): {len(results)} requests fuzzed, {ok} answered 200, "
-          f"{len(server_errors)} answered 5xx, {leaked} KV blocks leaked ({elapsed:.0f} s)")
+    print(f"\nsampling fuzz (real runner, real HTTP): {len(results)} requests fuzzed, {len(faults_failed)} faults "
+          f"injected ({sum(faults_failed)} failed alone with 500), {ok} answered 200, {len(server_errors)} other "
+          f"requests answered 5xx, {leaked} KV blocks leaked ({elapsed:.0f} s)")
     assert not server_errors, server_errors[:3]
-    assert ok == len(results), [r for r in results if r[0] != 200][:3]  # every body here is valid
+    assert faults_failed and all(faults_failed)
+    assert ok == len(results) - len(faults_failed), [r for r in results if r[0] != 200][:3]  # every body is valid
     assert not busy and leaked == 0
     assert httpx.get(s.url + "/readyz").status_code == 200
