@@ -27,14 +27,18 @@ def _walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, A
         out += _walk(sub, f"{path}.{key}")
     if "items" in schema:
         out += _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        out += _walk(schema["additionalProperties"], f"{path}{{}}")
     return out
 
 
 def test_schema_is_structural() -> None:
     for path, node in _walk(open_api_schema()):
         assert "type" in node, f"{path}: every node needs a type"
-        for banned in ("$ref", "anyOf", "oneOf", "allOf", "additionalProperties", "title", "$defs"):
+        for banned in ("$ref", "anyOf", "oneOf", "allOf", "title", "$defs"):
             assert banned not in node, f"{path}: {banned} is not allowed in a structural schema"
+        if "additionalProperties" in node:  # a map: a value schema, never beside `properties`
+            assert isinstance(node["additionalProperties"], dict) and "properties" not in node, path
         if "exclusiveMinimum" in node:
             assert node["exclusiveMinimum"] is True and "minimum" in node, path
 

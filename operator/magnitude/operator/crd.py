@@ -89,7 +89,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 ]
 
 _COPIED_KEYS = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems",
-                "maxItems", "description", "format")
+                "maxItems", "minProperties", "maxProperties", "description", "format")
 
 
 def _model_classes(root: type[BaseModel]) -> dict[str, type[BaseModel]]:
@@ -207,6 +207,12 @@ class _Converter:
             out = self.obj(self.defs[name], self.classes[name])
             if description:
                 out["description"] = description
+            return out, False
+        if node.get("type") == "object" and isinstance(node.get("additionalProperties"), dict):
+            # A dict[str, X]: without `additionalProperties` the API server would prune every key.
+            value, _ = self.value(node["additionalProperties"])
+            out = {k: node[k] for k in _COPIED_KEYS if k in node}
+            out["additionalProperties"] = value
             return out, False
         if node.get("type") == "array":
             item, _ = self.value(node["items"])

@@ -8,11 +8,11 @@ turns these classes into the CRD's structural OpenAPI schema. Pure: pydantic onl
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from magnitude.policy.schema import EngineConfig, PolicyModel
+from magnitude.policy.schema import DNS_LABEL, EngineConfig, PolicyModel
 
 GROUP = "serving.magnitude.dev"
 VERSION = "v1alpha1"
@@ -25,6 +25,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 Quantization = Literal["none", "bf16", "int8", "fp8"]
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 DEFAULT_ENGINE_IMAGE = "magnitude/engine:0.1.0"
+Namespace = Annotated[str, Field(pattern=DNS_LABEL)]
 
 
 class ModelRef(PolicyModel):
@@ -117,6 +118,23 @@ class LoadShedding(PolicyModel):
     )
 
 
+class NetworkPolicySpec(PolicyModel):
+    """An optional NetworkPolicy around the engine pods. The API and /metrics share one port, so
+    every admitted peer reaches both; the operator's own namespace is always admitted (it scrapes
+    the pods and posts /admin/shedding)."""
+
+    enabled: bool = Field(default=False, description="Create a NetworkPolicy that admits only the peers below.")
+    client_namespaces: list[Namespace] = Field(
+        default_factory=list, max_length=64,
+        description="Namespaces (besides the ModelService's own) whose pods may call the engine.")
+    client_pod_labels: dict[str, str] = Field(
+        default_factory=dict, max_length=16,
+        description="When set, only pods with these labels (in the own and client namespaces) may call the engine.")
+    prometheus_namespaces: list[Namespace] = Field(
+        default_factory=lambda: ["monitoring"], max_length=16,
+        description="Namespaces whose pods (Prometheus) may scrape the engine port.")
+
+
 class ModelServiceSpec(EngineConfig):
     """`spec` of a ModelService: the engine policy (inherited) plus model, resources and scaling."""
 
@@ -145,6 +163,7 @@ class ModelServiceSpec(EngineConfig):
     drain_seconds: int = Field(
         default=30, ge=0, le=3600, description="Time a terminating pod keeps serving in-flight streams."
     )
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
     @model_validator(mode="after")
     def _check_serving_fields(self) -> "ModelServiceSpec":
