@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -122,8 +123,11 @@ def condition(obj: dict, type_: str) -> dict | None:
 # -- the operator ------------------------------------------------------------------------
 CRD_FILE = REPO / "crds" / "modelservice.yaml"
 OPERATOR_NAMESPACE = "magnitude-system"
-# Timers sped up for the suite (read by the operator; defaults are production values).
-OPERATOR_ENV = {"MAGNITUDE_OPERATOR_SYNC_SECONDS": "2"}
+# Timers sped up for the suite (read by the operator; defaults are production values). The token
+# key is what the chart's key Secret gives the operator: stable across operator restarts, so a
+# restart derives the same admin tokens and rolls nothing.
+OPERATOR_ENV = {"MAGNITUDE_OPERATOR_SYNC_SECONDS": "2", "MAGNITUDE_OPERATOR_TOKEN_KEY": secrets.token_hex(32),
+                "MAGNITUDE_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE}
 
 
 @pytest.fixture(scope="session")

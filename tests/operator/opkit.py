@@ -7,6 +7,7 @@ ServiceAccount bound only to the chart's ClusterRole, and one namespace per test
 
 from __future__ import annotations
 
+import base64
 import copy
 import importlib.util
 import itertools
@@ -113,6 +114,7 @@ def model_service(spec: dict[str, Any], name: str = "demo") -> dict[str, Any]:
 # ---- a real API server ----------------------------------------------------------------------------
 
 RULES_FILE = ROOT / "charts" / "magnitude" / "files" / "operator-rules.yaml"
+POD_POLICY_FILE = ROOT / "charts" / "magnitude" / "files" / "pod-patch-policy.yaml"
 GROUP_VERSION = "serving.magnitude.dev/v1alpha1"
 NAME = "chat"
 SA_NAMESPACE, SA_NAME = "magnitude-system", "magnitude-operator-test"
@@ -164,6 +166,7 @@ class ApiServer:
         try:
             server.install_crd(load_crd())
             token = server._chart_service_account()
+            server._chart_pod_policy()
             harness.write_kubeconfig(server.operator_kubeconfig, cluster.server, cluster.pki,
                                      user=SA_NAME, token=token)
         except BaseException:
@@ -210,6 +213,14 @@ class ApiServer:
         got = core.create_namespaced_service_account_token(SA_NAME, SA_NAMESPACE, {"spec": {"expirationSeconds": 21600}})
         return got.status.token
 
+    def _chart_pod_policy(self) -> None:
+        """The chart's admission policy on the operator's pod patches, as its template fills it in."""
+        text = POD_POLICY_FILE.read_text().replace("OPERATOR_USER", SA_USER).replace("POLICY_NAME", SA_NAME)
+        adm = k8s.AdmissionregistrationV1Api(self.admin)
+        policy, binding = [d for d in yaml.safe_load_all(text) if d]
+        adm.create_validating_admission_policy(policy)
+        adm.create_validating_admission_policy_binding(binding)
+
     def operator_kube(self) -> Kube:
         """The operator's own client, authenticated as the chart's ServiceAccount (fresh: no
         discovery cache carried over from another test)."""
@@ -250,7 +261,8 @@ _namespaces = itertools.count()
 
 # Children: (apiVersion, kind) the operator may own; read back as the admin.
 CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Secret"), ("v1", "Service"), ("apps/v1", "Deployment"),
-               ("policy/v1", "PodDisruptionBudget"), ("monitoring.coreos.com/v1", "ServiceMonitor"))
+               ("policy/v1", "PodDisruptionBudget"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+               ("networking.k8s.io/v1", "NetworkPolicy"))
 
 
 class Env:
@@ -323,6 +335,17 @@ class Env:
         """resourceVersion of the ModelService and of every child: any write moves one."""
         objs = {**self.children(), "ModelService": self.current()}  # status is in its resourceVersion
         return {kind: obj["metadata"]["resourceVersion"] for kind, obj in objs.items()}
+
+    def admin_token(self) -> str | None:
+        """The token the engines get: from the Secret the Deployment's pods read (as the admin;
+        the operator's own account may not read Secrets)."""
+        dep = self.get("Deployment")
+        if dep is None:
+            return None
+        env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+        ref = env[n.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
+        secret = self.get("Secret", ref["name"])
+        return base64.b64decode(secret["data"][ref["key"]]).decode() if secret else None
 
     def events(self) -> list[dict[str, Any]]:
         items = self.core.list_namespaced_event(self.ns, _preload_content=False)

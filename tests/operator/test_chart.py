@@ -91,6 +91,16 @@ def test_rendered_chart_all_namespaces() -> None:
     assert pod["serviceAccountName"] == sa and by_kind["Deployment"]["spec"]["replicas"] == 1
     assert pod["containers"][0]["command"][:2] == ["magnitude", "operator"]
     assert "PrometheusRule" in by_kind and "ConfigMap" in by_kind  # alerts and dashboard ship with it
+    # Pod patches narrowed to the deletion-cost annotation of the operator's own pods, for its account only.
+    policy = by_kind["ValidatingAdmissionPolicy"]
+    user = f"system:serviceaccount:magnitude-system:{sa}"
+    assert [c["expression"] for c in policy["spec"]["matchConditions"]] == [f"request.userInfo.username == '{user}'"]
+    assert by_kind["ValidatingAdmissionPolicyBinding"]["spec"]["policyName"] == policy["metadata"]["name"]
+    # The token key: the kubelet hands it to the operator; the operator has no right to read Secrets.
+    key = by_kind["Secret"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["MAGNITUDE_OPERATOR_TOKEN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == key["metadata"]["name"]
+    assert {r["verbs"][0] for r in by_kind["ClusterRole"]["rules"] if "secrets" in r["resources"]} == {"create"}
 
 
 def test_rendered_chart_watched_namespaces_binds_per_namespace() -> None:

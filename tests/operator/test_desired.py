@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import yaml
@@ -38,7 +39,7 @@ def test_config_map_is_the_engine_document_without_translation() -> None:
 
 
 def test_children_carry_owner_reference_and_labels() -> None:
-    for obj in d.build_all(OWNER, spec(), 2, service_monitor=True) + [d.build_admin_secret(OWNER, "t")]:
+    for obj in d.build_all(OWNER, spec(), 2, service_monitor=True) + [d.build_admin_secret(OWNER)]:
         meta = obj["metadata"]
         assert meta["namespace"] == "ml"
         assert meta["ownerReferences"] == [{"apiVersion": "serving.magnitude.dev/v1alpha1", "kind": "ModelService",
@@ -71,7 +72,7 @@ def test_deployment_runs_magnitude_serve_with_probes_drain_and_gpus() -> None:
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert labels[n.LABEL_SERVICE_VERSION] == service_version(s) == annotations[n.ANNOTATION_SERVICE_VERSION]
     env = {e["name"]: e for e in c["env"]}
-    assert env[n.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"]["name"] == n.admin_secret_name("chat")
+    assert env[n.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"]["name"] == OWNER.admin_secret
 
 
 def test_int8_quantization_reaches_the_engine_as_a_flag() -> None:
@@ -119,3 +120,71 @@ def test_desired_replicas_spec_or_autoscaler() -> None:
     assert d.desired_replicas(auto, None) == 5  # clamped start
     assert d.desired_replicas(auto, ModelServiceStatus(desired_replicas=3)) == 3  # the autoscaler's decision wins
     assert d.desired_replicas(auto, ModelServiceStatus(desired_replicas=9)) == 5
+
+
+# ---- least privilege in the engine pod ------------------------------------------------------------
+
+def writable_dirs(dep: dict[str, Any]) -> list[str]:
+    """Mount paths of the pod's writable volumes (emptyDirs not mounted read-only)."""
+    pod = dep["spec"]["template"]["spec"]
+    empty = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    return [m["mountPath"] for m in container(dep)["volumeMounts"] if m["name"] in empty and not m.get("readOnly")]
+
+
+def test_engine_pod_has_no_token_and_a_read_only_root_with_writable_caches() -> None:
+    dep = d.build_deployment(OWNER, spec(), 1)
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    assert pod["automountServiceAccountToken"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["allowPrivilegeEscalation"] is False
+    writable = writable_dirs(dep)
+    assert sorted(writable) == sorted([n.CACHE_DIR, n.TMP_DIR])
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    for var in ("MAGNITUDE_CACHE", "HF_HOME", "XDG_CACHE_HOME", "TMPDIR"):  # every cache the engine writes
+        assert any(env[var] == w or env[var].startswith(w + "/") for w in writable), (var, env[var])
+    config = next(m for m in c["volumeMounts"] if m["mountPath"] == n.CONFIG_DIR)
+    assert config["readOnly"] is True
+
+
+def test_network_policy_is_optional_and_admits_operator_prometheus_and_clients() -> None:
+    assert "NetworkPolicy" not in [o["kind"] for o in d.build_all(OWNER, spec(), 1, service_monitor=False)]
+    assert [o["kind"] for o in d.absent_children(OWNER, spec())] == ["NetworkPolicy"]
+    s = spec(networkPolicy={"enabled": True, "clientNamespaces": ["web", "ml"], "prometheusNamespaces": ["mon"]})
+    objs = d.build_all(OWNER, s, 1, service_monitor=False, operator_namespace="magnitude-system")
+    netpol = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    assert d.absent_children(OWNER, s) == []
+    assert netpol["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert netpol["spec"]["podSelector"] == {"matchLabels": n.selector_labels("chat")}
+    assert netpol["spec"]["policyTypes"] == ["Ingress"]  # egress left open: weights may be downloaded
+    (rule,) = netpol["spec"]["ingress"]
+    assert rule["ports"] == [{"port": n.ENGINE_PORT, "protocol": "TCP"}]
+    ns = lambda name: {n.NAMESPACE_LABEL: name}  # noqa: E731
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": ns("magnitude-system")}},  # the operator's scrapes and /admin
+        {"namespaceSelector": {"matchLabels": ns("mon")}},  # Prometheus
+        {"podSelector": {"matchLabels": {}}},  # clients in the ModelService's own namespace
+        {"namespaceSelector": {"matchLabels": ns("web")}, "podSelector": {"matchLabels": {}}},
+    ]
+    narrow = d.build_network_policy(OWNER, spec(networkPolicy={"enabled": True, "clientPodLabels": {"app": "ui"}}),
+                                    "ops")
+    peers = narrow["spec"]["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"app": "ui"}}} in peers  # clients narrowed ...
+    assert {"namespaceSelector": {"matchLabels": ns("ops")}} in peers  # ... the operator is not
+
+
+def test_admin_token_is_derived_and_its_secret_is_named_after_it() -> None:
+    """The operator derives each service's token (HMAC under its key) instead of reading it back,
+    and names the Secret after the token, so it only ever creates Secrets."""
+    body = {"metadata": {"name": "chat", "namespace": "ml", "uid": "u-1"}}
+    one = d.Owner.from_body(body, b"key")
+    assert one.token == d.Owner.from_body(body, b"key").token and len(one.token) >= 43  # 256 bits
+    recreated = d.Owner.from_body({"metadata": {**body["metadata"], "uid": "u-2"}}, b"key")
+    rekeyed = d.Owner.from_body(body, b"other key")
+    assert len({one.token, recreated.token, rekeyed.token}) == 3
+    assert len({one.admin_secret, recreated.admin_secret, rekeyed.admin_secret}) == 3
+    assert one.admin_secret.startswith("chat-admin-")
+    secret = d.build_admin_secret(one)
+    assert secret["metadata"]["name"] == one.admin_secret
+    assert base64.b64decode(secret["data"][n.ADMIN_TOKEN_KEY]).decode() == one.token
+    env = {e["name"]: e for e in container(d.build_deployment(one, spec(), 1))["env"]}
+    assert env[n.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"] == {"name": one.admin_secret, "key": n.ADMIN_TOKEN_KEY}

@@ -119,7 +119,7 @@ def test_busy_pods_scale_up_then_at_max_shed_the_lowest_class(api: Env, apiserve
         ticks_until(api, entry, lambda: api.cond("Shedding")["status"] == "True", 120, dump, extra=2)
         assert api.cond("Scaling")["reason"] == "AtMaxReplicas"
         assert [shed_posts(log) for log in logs] == [1, 1]  # both told once; no repeats on later ticks
-        token = api.kube.read_admin_token(api.ns, NAME)
+        token = api.admin_token()
         for url in urls():
             got = httpx.get(f"{url}/admin/shedding", headers={"authorization": f"Bearer {token}"}, timeout=10)
             assert got.json()["shed_classes"] == ["batch"], got.text

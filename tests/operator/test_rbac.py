@@ -17,7 +17,6 @@ import time
 import pytest
 import yaml
 
-from magnitude.operator import naming as n
 from magnitude.operator.apply import ApiError
 from magnitude.operator.reconcile import reconcile
 from opkit import NAME, ROOT, RULES_FILE, SA_NAMESPACE, ApiServer, Env, e2e_module, used_permissions
@@ -63,13 +62,13 @@ def test_chart_rbac_is_exactly_what_the_operator_uses(api: Env, apiserver: ApiSe
         ("serving.magnitude.dev", "modelservices", "patch"), ("", "pods", "list")} <= used()
     run_operator(api, apiserver, handled)
 
-    # What only a scale-down and a re-created ModelService do, through the operator's own code.
+    # What only a scale-down and a NetworkPolicy turned on and off do, through the operator's own code.
     api.add_pod("p0", "10.0.0.1")
     api.kube.set_deletion_costs(api.ns, {"p0": 1})
-    secret = n.admin_secret_name(NAME)
-    api.core.patch_namespaced_secret(secret, api.ns, {"metadata": {"ownerReferences": None}})
-    reconcile(api.kube, api.current())  # re-owns the Secret: an apply
-    assert api.get("Secret", secret)["metadata"]["ownerReferences"][0]["uid"] == api.current()["metadata"]["uid"]
+    reconcile(api.kube, api.body(networkPolicy={"enabled": True}))
+    assert api.admin.get("networking.k8s.io/v1", "NetworkPolicy", api.ns, NAME) is not None
+    reconcile(api.kube, api.body(networkPolicy={"enabled": False}))
+    assert api.admin.get("networking.k8s.io/v1", "NetworkPolicy", api.ns, NAME) is None
 
     events = apiserver.audit(api.ns)
     refused_calls = [(e["verb"], e["requestURI"]) for e in events if e.get("responseStatus", {}).get("code") == 403]

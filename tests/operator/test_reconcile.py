@@ -18,6 +18,7 @@ from magnitude.operator import autoscaler as a
 from magnitude.operator import naming as n
 from magnitude.operator import plan as p
 from magnitude.operator import status as st
+from magnitude.operator.apply import ApiError
 from magnitude.operator.reconcile import SpecInvalid, parse_status, reconcile
 from opkit import NAME, ApiServer, Env
 
@@ -40,17 +41,17 @@ def test_first_reconcile_creates_owned_children_status_and_event(api: Env) -> No
     assert api.cond("Degraded")["status"] == "False"
     assert api.cond("Ready")["status"] == "False"
     assert reasons(api) == [("Normal", "Created")]
-    token = api.kube.read_admin_token(api.ns, NAME)
+    token = api.admin_token()
     assert token and len(token) >= 32
 
 
 def test_second_reconcile_writes_nothing(api: Env) -> None:
     reconcile(api.kube, api.body())
-    before, token, events = api.versions(), api.kube.read_admin_token(api.ns, NAME), len(api.events())
+    before, token, events = api.versions(), api.admin_token(), len(api.events())
     result = reconcile(api.kube, api.current())
     assert result.plan.empty and result.events == []
     assert api.versions() == before  # no child, and not the status, was written
-    assert api.kube.read_admin_token(api.ns, NAME) == token and len(api.events()) == events
+    assert api.admin_token() == token and len(api.events()) == events
 
 
 def test_policy_change_rolls_out_with_an_event(api: Env) -> None:
@@ -148,17 +149,35 @@ def test_autoscaler_scale_down_ranks_pods_then_scales_with_events(api: Env, apis
     assert api.cond("Scaling")["reason"] == a.SCALED_DOWN
 
 
-def test_leftover_admin_secret_is_adopted_with_its_token(api: Env) -> None:
+def test_recreated_service_gets_a_new_token_in_a_new_secret(api: Env) -> None:
     """A ModelService deleted and re-created under the same name may find the old Secret still
-    there (the garbage collector is asynchronous): it is re-owned, and its token kept."""
+    there (the garbage collector is asynchronous). Its token is derived from the new uid, so it
+    gets a Secret of its own: the operator never needs to read or re-own the old one."""
     reconcile(api.kube, api.body())
-    token = api.kube.read_admin_token(api.ns, NAME)
+    old_token, old_secret = api.admin_token(), api.children()["Secret"]["metadata"]["name"]
     api.delete()  # no garbage collector runs here: the children stay, owned by a deleted uid
     reconcile(api.kube, api.body())
-    assert api.kube.read_admin_token(api.ns, NAME) == token
-    owners = api.get("Secret", n.admin_secret_name(NAME))["metadata"]["ownerReferences"]
-    assert [r["uid"] for r in owners] == [api.current()["metadata"]["uid"]]
+    assert api.admin_token() not in (None, old_token)
+    env = api.get("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    ref = next(e for e in env if e["name"] == n.ADMIN_TOKEN_ENV)["valueFrom"]["secretKeyRef"]["name"]
+    assert ref != old_secret
+    assert [r["uid"] for r in api.get("Secret", ref)["metadata"]["ownerReferences"]] == [api.current()["metadata"]["uid"]]
+    assert api.get("Secret", old_secret) is not None  # untouched, for the garbage collector
     assert reconcile(api.kube, api.current()).plan.empty
+
+
+def test_the_operator_cannot_read_or_change_any_secret(api: Env) -> None:
+    """Scope, not just verbs: the chart's account can create Secrets but not get, list or patch
+    one, in its own namespace or any other (a patch would answer with the Secret's data)."""
+    api.core.create_namespaced_secret(api.ns, {"metadata": {"name": "db"}, "stringData": {"password": "hunter2"}})
+    for call in (lambda: api.kube._call("get", "v1", "secrets", api.ns, "db"),
+                 lambda: api.kube._call("list", "v1", "secrets", api.ns),
+                 lambda: api.kube._call("list", "v1", "secrets", None),
+                 lambda: api.kube._call("patch", "v1", "secrets", api.ns, "db", body={"metadata": {"labels": {"a": "b"}}},
+                                        content_type="application/merge-patch+json")):
+        with pytest.raises(ApiError) as refused:
+            call()
+        assert refused.value.status == 403
 
 
 def test_autoscaler_memory_survives_a_restart_through_status(api: Env) -> None:
@@ -193,3 +212,112 @@ def test_condition_transition_time_moves_only_on_flips() -> None:
     ready2 = next(c for c in s2.conditions if c.type == "Ready")
     assert ready1.last_transition_time == ready2.last_transition_time and ready2.observed_generation == 2
     assert st.transitions(s1, s2) == []
+
+
+# ---- hand edits: every planned apply converges ----------------------------------------------------
+
+def hand_patch(api: Env, patch: dict[str, Any], manager: str) -> None:
+    """What `kubectl set env` / `kubectl edit` send: a strategic merge patch under their own manager."""
+    from kubernetes import client as k8s
+
+    k8s.AppsV1Api(api.server.admin).patch_namespaced_deployment(NAME, api.ns, patch, field_manager=manager)
+
+
+def container(api: Env) -> dict[str, Any]:
+    return api.get("Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_a_hand_edit_of_an_owned_field_is_reverted_once(api: Env) -> None:
+    reconcile(api.kube, api.body())
+    hand_patch(api, {"spec": {"template": {"spec": {"containers": [
+        {"name": "engine", "image": "evil:latest", "env": [{"name": "MAGNITUDE_QUANTIZATION", "value": "bf16"}]}]}}}},
+        "kubectl-edit")
+    assert container(api)["image"] == "evil:latest"
+    assert reconcile(api.kube, api.current()).plan.actions != []
+    env = {e["name"]: e.get("value") for e in container(api)["env"]}
+    assert container(api)["image"] != "evil:latest" and env["MAGNITUDE_QUANTIZATION"] == "none"
+    before = api.versions()
+    assert reconcile(api.kube, api.current()).plan.empty and api.versions() == before
+
+
+def test_a_foreign_list_entry_is_left_alone_and_not_reapplied_every_tick(api: Env) -> None:
+    """`kubectl set env deployment/chat INJECTED=1`: the entry is kubectl's, not ours; server-side
+    apply cannot remove it, so today the plan re-applies (a no-op PATCH) on every tick for ever."""
+    reconcile(api.kube, api.body())
+    hand_patch(api, {"spec": {"template": {"spec": {"containers": [
+        {"name": "engine", "env": [{"name": "INJECTED", "value": "1"}]}]}}}}, "kubectl-set")
+    before = api.versions()
+    for _ in range(3):
+        assert reconcile(api.kube, api.current()).plan.empty
+    assert api.versions() == before
+    assert {"name": "INJECTED", "value": "1"} in container(api)["env"]  # documented: foreign additions stay
+
+
+def test_a_field_the_operator_stops_setting_is_removed(api: Env) -> None:
+    """GPUs 1 -> 0 changes neither the service version nor the config hash; today the GPU request,
+    limit and toleration stay on the pods for ever (what remains is a superset of what is wanted)."""
+    reconcile(api.kube, api.body(resources={"gpus": 1}))
+    assert "nvidia.com/gpu" in container(api)["resources"]["limits"]
+    reconcile(api.kube, api.body(resources={"gpus": 0}))
+    pod = api.get("Deployment")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in container(api)["resources"]["limits"] and "tolerations" not in pod
+    assert reconcile(api.kube, api.current()).plan.empty
+
+
+def test_plan_treats_keyed_lists_as_maps_and_others_as_atomic() -> None:
+    want = {"spec": {"containers": [{"name": "e", "env": [{"name": "A", "value": "1"}], "args": ["x"]}]}}
+    have = copy.deepcopy(want)
+    have["spec"]["containers"][0]["env"].insert(0, {"name": "INJECTED", "value": "1"})
+    have["spec"]["containers"].append({"name": "sidecar"})
+    assert p.is_subset(want, have)
+    have["spec"]["containers"][0]["args"].append("--extra")  # args is atomic: an apply replaces it
+    assert not p.is_subset(want, have)
+    owned = {"f:spec": {"f:containers": {'k:{"name":"e"}': {".": {}, "f:name": {}, "f:env": {
+        'k:{"name":"A"}': {".": {}, "f:name": {}, "f:value": {}}, 'k:{"name":"OLD"}': {".": {}, "f:name": {}}}}}}}
+    have = {"metadata": {"managedFields": [{"manager": n.FIELD_MANAGER, "operation": "Apply", "fieldsV1": owned}]}}
+    assert p.no_longer_set(want, have) == ['.spec.containers[{"name":"e"}].env[{"name":"OLD"}]']
+    have["metadata"]["managedFields"][0]["manager"] = "someone-else"
+    assert p.no_longer_set(want, have) == []
+
+
+def test_network_policy_follows_the_spec_and_is_removed_when_turned_off(api: Env) -> None:
+    reconcile(api.kube, api.body(networkPolicy={"enabled": True, "prometheusNamespaces": ["mon"]}))
+    netpol = api.get("NetworkPolicy")
+    assert netpol["spec"]["podSelector"]["matchLabels"] == n.selector_labels(NAME)
+    peers = netpol["spec"]["ingress"][0]["from"]
+    assert {"namespaceSelector": {"matchLabels": {n.NAMESPACE_LABEL: "mon"}}} in peers
+    assert reconcile(api.kube, api.current()).plan.empty
+    result = reconcile(api.kube, api.body(networkPolicy={"enabled": False}))
+    assert [type(x).__name__ for x in result.plan.actions] == ["Delete"]
+    assert api.get("NetworkPolicy") is None
+    assert reconcile(api.kube, api.current()).plan.empty
+
+
+def test_the_operator_may_patch_only_the_deletion_cost_of_its_own_pods(api: Env) -> None:
+    """RBAC grants `patch pods` cluster-wide; the chart's admission policy narrows it to the
+    pod-deletion-cost annotation of the engine pods the operator manages (scope, not verbs)."""
+    import time
+
+    reconcile(api.kube, api.body())
+    api.add_pod("p0", "10.0.0.1")  # from the operator's template: managed-by magnitude-operator
+    api.core.create_namespaced_pod(api.ns, {"metadata": {"name": "db", "labels": {"app": "db"}},
+                                            "spec": {"containers": [{"name": "db", "image": "postgres"}]}})
+
+    def patch(pod: str, meta: dict[str, Any]) -> int:
+        try:
+            api.kube._call("patch", "v1", "pods", api.ns, pod, body={"metadata": meta},
+                           content_type="application/merge-patch+json")
+            return 200
+        except ApiError as e:
+            return e.status or 0
+    cost = {"annotations": {n.POD_DELETION_COST: "7"}}
+    deadline = time.monotonic() + 30  # the policy is enforced once the API server has loaded it
+    while patch("db", cost) != 403:
+        assert time.monotonic() < deadline, "the pod policy never refused a foreign pod"
+        time.sleep(0.5)
+    assert patch("p0", cost) == 200
+    api.kube.set_deletion_costs(api.ns, {"p0": 3})
+    assert api.get("Pod", "p0")["metadata"]["annotations"][n.POD_DELETION_COST] == "3"
+    assert patch("p0", {"labels": {"app.kubernetes.io/name": "something-else"}}) == 403
+    assert patch("p0", {"annotations": {"sidecar.istio.io/inject": "true"}}) == 403
+    assert patch("db", {"annotations": {n.POD_DELETION_COST: "8"}}) == 403

@@ -5,11 +5,15 @@ uses the kubernetes client's ApiClient with `application/apply-patch+yaml`), sta
 patch on the status subresource, Events as core/v1 Events. Every call goes through `Kube._call`,
 which names the (group, resource, verb) it needs; `PERMISSIONS` lists them all, and the chart's
 ClusterRole is checked against it (tests/operator/test_chart.py).
+
+Every call has a deadline and a byte cap (`Kube(deadline=, max_bytes=)`): a silent or trickling
+API server must not hold a service's reconcile lock, or a thread of the loop, for ever. The
+socket timeouts cover connect and each read; the body is read in pieces against the deadline,
+so the whole call ends within about the deadline plus one read timeout.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import secrets
 import socket
@@ -18,7 +22,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from magnitude.operator import naming as n
-from magnitude.operator.plan import Adopt, Apply, ChildKey, Create, Plan
+from magnitude.operator.plan import Apply, ChildKey, Create, Delete, Plan
 from magnitude.operator.spec import API_VERSION, GROUP, KIND, PLURAL
 
 # (apiVersion, kind) -> plural resource name, for every kind the operator touches.
@@ -30,11 +34,17 @@ RESOURCES: dict[tuple[str, str], str] = {
     ("v1", "Event"): "events",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     (API_VERSION, KIND): PLURAL,
 }
 SERVICE_MONITOR_GV = "monitoring.coreos.com/v1"
 DISCOVERY_TTL_SECONDS = 60.0
+# A reconcile makes a handful of calls; each one answers in milliseconds on a healthy API server.
+API_DEADLINE_SECONDS = 15.0
+API_CONNECT_SECONDS = 5.0
+API_MAX_BYTES = 64 << 20  # a pod list of a large service is a few MiB
+READ_PIECE_BYTES = 64 << 10
 
 # Server-side apply of an object that does not exist yet creates it: the API server then checks
 # `create` as well as `patch`, so every applied kind needs both.
@@ -45,7 +55,10 @@ PERMISSIONS: dict[tuple[str, str], frozenset[str]] = {
     ("apps", "deployments"): APPLY_VERBS,
     ("policy", "poddisruptionbudgets"): APPLY_VERBS,
     ("monitoring.coreos.com", "servicemonitors"): APPLY_VERBS,
-    ("", "secrets"): APPLY_VERBS,  # created once with a fresh token; re-owned by apply, token kept
+    ("networking.k8s.io", "networkpolicies"): APPLY_VERBS | {"delete"},  # optional: deleted when turned off
+    # The engines' admin token: only ever created (named after the token, never changed), so the
+    # operator can neither read nor alter any Secret (a patch answers with the object it patched).
+    ("", "secrets"): frozenset({"create"}),
     ("", "pods"): frozenset({"list", "patch"}),
     ("", "events"): frozenset({"create"}),
     (GROUP, f"{PLURAL}/status"): frozenset({"patch"}),
@@ -82,8 +95,11 @@ def _now() -> str:
 class Kube:
     """Typed helpers over one kubernetes ApiClient."""
 
-    def __init__(self, api_client: Any = None) -> None:
+    def __init__(self, api_client: Any = None, *, deadline: float = API_DEADLINE_SECONDS,
+                 max_bytes: int = API_MAX_BYTES) -> None:
         self._api = api_client
+        self.deadline = deadline
+        self.max_bytes = max_bytes
         self._service_monitors: tuple[float, bool] | None = None  # (checked at, served)
 
     @classmethod
@@ -100,14 +116,19 @@ class Kube:
     # -- the one place that performs HTTP -----------------------------------------------------
     def _http(self, method: str, path: str, params: list[tuple[str, str]] | None = None, body: Any = None,
               content_type: str = "application/json") -> tuple[int, Any]:
-        """(status, decoded JSON body). Transport failures raise ApiError(status=None)."""
+        """(status, decoded JSON body). Transport failures, a missed deadline and an answer over the
+        byte cap raise ApiError(status=None)."""
+        deadline = time.monotonic() + self.deadline
         try:
             method_, url, headers, body_, _ = self._api.param_serialize(
                 method=method, resource_path=path, query_params=params or [],
                 header_params={"Content-Type": content_type, "Accept": "application/json"},
                 body=body, auth_settings=["BearerToken"])
-            resp = self._api.call_api(method_, url, header_params=headers, body=body_)
-            raw = resp.read()
+            resp = self._api.call_api(method_, url, header_params=headers, body=body_,
+                                      _request_timeout=(min(API_CONNECT_SECONDS, self.deadline), self.deadline))
+            raw = self._read_body(resp.response, deadline)
+        except ApiError as e:
+            raise ApiError(f"{method} {path}: {e}") from e
         except OSError as e:  # connection refused, DNS, timeouts (urllib3 errors subclass it)
             raise ApiError(f"{method} {path}: {e}") from e
         except Exception as e:  # noqa: BLE001 - the client wraps transport errors in its own types
@@ -117,6 +138,29 @@ class Kube:
         except ValueError:
             data = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
         return resp.status, data
+
+    def _read_body(self, response: Any, deadline: float) -> bytes:
+        """The body of an urllib3 response, in pieces (`read1` returns what has arrived), so a
+        trickle is cut at the deadline and an endless body at the cap. An aborted connection is
+        closed, not returned to the pool half-read."""
+        body = bytearray()
+        done = False
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise ApiError(f"no complete answer within {self.deadline:g}s")
+                piece = response.read1(READ_PIECE_BYTES)
+                if not piece:
+                    done = True
+                    return bytes(body)
+                body += piece
+                if len(body) > self.max_bytes:
+                    raise ApiError(f"answer is over the {self.max_bytes}-byte cap")
+        finally:
+            if done:
+                response.release_conn()
+            else:
+                response.close()
 
     def _call(self, verb: str, api_version: str, resource: str, namespace: str | None, name: str | None = None,
               subresource: str | None = None, body: Any = None, params: list[tuple[str, str]] | None = None,
@@ -128,10 +172,10 @@ class Kube:
             path += f"/{name}"
         if subresource:
             path += f"/{subresource}"
-        method = {"get": "GET", "list": "GET", "create": "POST", "patch": "PATCH"}[verb]
+        method = {"get": "GET", "list": "GET", "create": "POST", "patch": "PATCH", "delete": "DELETE"}[verb]
         status, data = self._http(method, path, params, body, content_type)
-        if verb == "get" and status == 404:
-            return None
+        if verb in ("get", "delete") and status == 404:
+            return None  # absent (or already gone)
         if status >= 400:
             detail = data.get("message") if isinstance(data, dict) else str(data)[:500]
             raise ApiError(f"{method} {path}: {status}: {detail}", status)
@@ -172,10 +216,6 @@ class Kube:
         found = self._call("list", "v1", "pods", namespace, params=[("labelSelector", selector)])
         return list((found or {}).get("items", []))
 
-    def read_admin_token(self, namespace: str, owner_name: str) -> str | None:
-        secret = self._call("get", "v1", "secrets", namespace, n.admin_secret_name(owner_name))
-        return secret_token(secret) if secret else None
-
     # -- writes -----------------------------------------------------------------------------------
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
@@ -189,15 +229,14 @@ class Kube:
             return self._call("create", obj["apiVersion"], RESOURCES[(obj["apiVersion"], obj["kind"])],
                               meta["namespace"], body=obj, params=[("fieldManager", n.FIELD_MANAGER)])
         except ApiError as e:
-            if e.status == 409:  # created meanwhile (another reconcile): fine, it is never updated
+            if e.status == 409:  # exists already: fine, it is never updated (its name says its content)
                 return None
             raise
 
-    def adopt(self, obj: dict[str, Any]) -> None:
+    def delete(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
-        self._call("patch", obj["apiVersion"], RESOURCES[(obj["apiVersion"], obj["kind"])], meta["namespace"],
-                   meta["name"], body={"metadata": {"ownerReferences": meta["ownerReferences"]}},
-                   content_type="application/merge-patch+json")
+        self._call("delete", obj["apiVersion"], RESOURCES[(obj["apiVersion"], obj["kind"])], meta["namespace"],
+                   meta["name"])
 
     def execute(self, the_plan: Plan) -> dict[ChildKey, dict[str, Any]]:
         """Run the plan's actions in order; returns the objects the server sent back."""
@@ -207,8 +246,8 @@ class Kube:
                 written[(action.obj["kind"], action.obj["metadata"]["name"])] = self.apply(action.obj)
             elif isinstance(action, Create):
                 self.create(action.obj)
-            elif isinstance(action, Adopt):
-                self.adopt(action.obj)
+            elif isinstance(action, Delete):
+                self.delete(action.obj)
         return written
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
@@ -249,13 +288,3 @@ class Kube:
             self._call("create", "v1", "events", meta["namespace"], body=event)
         except ApiError:
             pass  # an Event is best effort; never fail a reconcile over one
-
-
-def new_admin_token() -> str:
-    return secrets.token_urlsafe(32)
-
-
-def secret_token(secret: dict[str, Any]) -> str:
-    """The admin token held in an admin-token Secret ("" when it has none)."""
-    raw = (secret.get("data") or {}).get(n.ADMIN_TOKEN_KEY)
-    return base64.b64decode(raw).decode() if raw else ""

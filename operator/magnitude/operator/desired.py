@@ -1,7 +1,9 @@
 """Desired state: pure builders from a ModelService spec to the manifests that serve it.
 
 ConfigMap (the engine document, copied from the spec without translation), admin-token Secret,
-Deployment, Service, PodDisruptionBudget and, when the cluster has the CRD, a ServiceMonitor.
+Deployment, Service, PodDisruptionBudget, when the cluster has the CRD a ServiceMonitor, and when
+`spec.networkPolicy.enabled` a NetworkPolicy. Engine pods run without a service-account token and
+with a read-only root filesystem: the model cache, HF_HOME and the temp dir are emptyDirs.
 Every builder is a pure function returning a plain dict ready for server-side apply; pods are
 stamped with the service version and config hash so a policy change rolls them.
 """
@@ -9,6 +11,8 @@ stamped with the service version and config hash so a policy change rolls them.
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -24,20 +28,48 @@ PRESTOP_SLEEP_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
 # How `magnitude serve` is told each quantization (the name also travels as MAGNITUDE_QUANTIZATION).
 QUANTIZATION_ARGS: dict[str, list[str]] = {"bf16": ["--dtype", "bfloat16"], "int8": ["--quantization", "int8"]}
+# Where the engine (and the libraries under it) write, all inside the writable volumes: the
+# converted-model cache, Hugging Face downloads, any other library cache, and temp files.
+WRITABLE_ENV: dict[str, str] = {
+    "MAGNITUDE_CACHE": f"{n.CACHE_DIR}/models",
+    "HF_HOME": f"{n.CACHE_DIR}/huggingface",
+    "XDG_CACHE_HOME": f"{n.CACHE_DIR}/xdg",
+    "TMPDIR": n.TMP_DIR,
+}
+WRITABLE_VOLUMES: dict[str, str] = {"cache": n.CACHE_DIR, "tmp": n.TMP_DIR}  # emptyDir name -> mount path
+# Where the operator runs when it cannot tell (the chart's default namespace).
+DEFAULT_OPERATOR_NAMESPACE = "magnitude-system"
+
+
+def admin_token(key: bytes, namespace: str, name: str, uid: str) -> str:
+    """The engines' admin token for one ModelService: HMAC-SHA256 of its identity under the
+    operator's key. The operator derives it whenever it calls an engine, so it never reads a
+    Secret back; a re-created ModelService (new uid) or a new key gives a new token."""
+    digest = hmac.new(key, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
 @dataclass(frozen=True)
 class Owner:
-    """The ModelService a child belongs to (for names, namespace and ownerReferences)."""
+    """The ModelService a child belongs to (for names, namespace and ownerReferences), and the
+    admin token its engines accept (see `admin_token`)."""
 
     name: str
     namespace: str
     uid: str
+    token: str = ""
 
     @classmethod
-    def from_body(cls, body: dict[str, Any]) -> "Owner":
+    def from_body(cls, body: dict[str, Any], key: bytes = b"") -> "Owner":
         meta = body["metadata"]
-        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
+                   token=admin_token(key, meta["namespace"], meta["name"], meta["uid"]))
+
+    @property
+    def admin_secret(self) -> str:
+        """The Secret holding `token`, named after the token's fingerprint: a new token gets a new
+        Secret (created, never patched), so the operator needs no right to read or change one."""
+        return n.admin_secret_name(self.name, hashlib.sha256(self.token.encode()).hexdigest()[:10])
 
 
 def owner_reference(owner: Owner) -> dict[str, Any]:
@@ -78,14 +110,14 @@ def build_config_map(owner: Owner, spec: ModelServiceSpec) -> dict[str, Any]:
     }
 
 
-def build_admin_secret(owner: Owner, token: str) -> dict[str, Any]:
-    """The shared token the engines accept on /admin/*; created once, never rotated by reconcile."""
+def build_admin_secret(owner: Owner) -> dict[str, Any]:
+    """The token the engines accept on /admin/* and /debug/* (people read it from here)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(owner, n.admin_secret_name(owner.name)),
-        "data": {n.ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        "metadata": _metadata(owner, owner.admin_secret),
+        "data": {n.ADMIN_TOKEN_KEY: base64.b64encode(owner.token.encode()).decode()},
     }
 
 
@@ -96,9 +128,10 @@ def _env(spec: ModelServiceSpec, owner: Owner, version: str) -> list[dict[str, A
         {"name": "MAGNITUDE_QUANTIZATION", "value": spec.quantization},
         {
             "name": n.ADMIN_TOKEN_ENV,
-            "valueFrom": {"secretKeyRef": {"name": n.admin_secret_name(owner.name), "key": n.ADMIN_TOKEN_KEY}},
+            "valueFrom": {"secretKeyRef": {"name": owner.admin_secret, "key": n.ADMIN_TOKEN_KEY}},
         },
     ]
+    env += [{"name": k, "value": v} for k, v in WRITABLE_ENV.items()]
     if spec.model.revision:
         env.append({"name": "MAGNITUDE_MODEL_REVISION", "value": spec.model.revision})
     if spec.draft_model is not None:
@@ -160,12 +193,17 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
         "readinessProbe": _probe("/readyz", 5, 3),
         "livenessProbe": _probe("/healthz", 10, 6, timeout=5),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
-        "volumeMounts": [{"name": "engine-config", "mountPath": n.CONFIG_DIR, "readOnly": True}],
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "engine-config", "mountPath": n.CONFIG_DIR, "readOnly": True}]
+        + [{"name": name, "mountPath": path} for name, path in WRITABLE_VOLUMES.items()],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                            "readOnlyRootFilesystem": True},
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": [{"name": "engine-config", "configMap": {"name": n.config_map_name(owner.name)}}],
+        "volumes": [{"name": "engine-config", "configMap": {"name": n.config_map_name(owner.name)}}]
+        + [{"name": name, "emptyDir": {}} for name in WRITABLE_VOLUMES],
+        # The engine never calls the Kubernetes API: a token in the pod is only something to steal.
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
     }
@@ -235,11 +273,52 @@ def build_service_monitor(owner: Owner) -> dict[str, Any]:
     }
 
 
-def build_all(owner: Owner, spec: ModelServiceSpec, replicas: int, service_monitor: bool) -> list[dict[str, Any]]:
+def _namespaces(names: list[str]) -> list[dict[str, Any]]:
+    return [{"namespaceSelector": {"matchLabels": {n.NAMESPACE_LABEL: ns}}} for ns in names]
+
+
+def build_network_policy(owner: Owner, spec: ModelServiceSpec, operator_namespace: str) -> dict[str, Any]:
+    """Ingress to the engine port only from: the operator's namespace (scrapes, /admin/shedding),
+    the Prometheus namespaces, and clients (the ModelService's own namespace and
+    `clientNamespaces`, narrowed to `clientPodLabels` when set). Egress is left alone: pods
+    may need to download weights."""
+    np = spec.network_policy
+    pods = {"matchLabels": dict(np.client_pod_labels)}
+    clients = [{"podSelector": pods}] + [
+        {**peer, "podSelector": pods} for peer in _namespaces(sorted(set(np.client_namespaces) - {owner.namespace}))]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(owner, n.network_policy_name(owner.name)),
+        "spec": {
+            "podSelector": {"matchLabels": n.selector_labels(owner.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{
+                "ports": [{"port": n.ENGINE_PORT, "protocol": "TCP"}],
+                "from": _namespaces(sorted({operator_namespace, *np.prometheus_namespaces})) + clients,
+            }],
+        },
+    }
+
+
+def build_all(owner: Owner, spec: ModelServiceSpec, replicas: int, service_monitor: bool,
+              operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE) -> list[dict[str, Any]]:
     """Every applied child in apply order (config before the pods that mount it). The Secret is separate:
-    it is created once with a fresh token (see `build_admin_secret`)."""
+    it is only ever created (see `Owner.admin_secret`)."""
     objs = [build_config_map(owner, spec), build_deployment(owner, spec, replicas), build_service(owner),
             build_pdb(owner)]
     if service_monitor:
         objs.append(build_service_monitor(owner))
+    if spec.network_policy.enabled:
+        objs.append(build_network_policy(owner, spec, operator_namespace))
     return objs
+
+
+def absent_children(owner: Owner, spec: ModelServiceSpec) -> list[dict[str, Any]]:
+    """Optional children the spec no longer asks for, as (apiVersion, kind, metadata) stubs: the
+    plan deletes them when they exist and are ours (turning a NetworkPolicy off must open the pods
+    again, and the garbage collector only acts when the ModelService goes)."""
+    if spec.network_policy.enabled:
+        return []
+    return [{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+             "metadata": _metadata(owner, n.network_policy_name(owner.name))}]

@@ -15,12 +15,13 @@ from typing import Any
 import kopf
 
 from magnitude.operator import loop
-from magnitude.operator.apply import ApiError, Kube
+from magnitude.operator.apply import API_CONNECT_SECONDS, API_DEADLINE_SECONDS, ApiError, Kube
 from magnitude.operator.reconcile import SpecInvalid, reconcile
 from magnitude.operator.spec import GROUP, PLURAL, VERSION
 
 ANNOTATION_PREFIX = GROUP
 RETRY_DELAY_SECONDS = 5.0
+WATCH_SERVER_TIMEOUT_SECONDS = 300
 REGISTRY = loop.Registry()
 
 
@@ -32,7 +33,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
-    settings.watching.server_timeout = 300
+    # Kopf's own calls get deadlines too: a silent API server must not hang its patches or a
+    # watch that the server should have ended (server_timeout) for ever.
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_SECONDS
+    settings.watching.client_timeout = WATCH_SERVER_TIMEOUT_SECONDS + 30
+    settings.watching.connect_timeout = API_CONNECT_SECONDS
+    settings.networking.request_timeout = API_DEADLINE_SECONDS
+    settings.networking.connect_timeout = API_CONNECT_SECONDS
     memo.kube = Kube.from_environment()
     memo.stop = asyncio.Event()
     memo.loop_task = asyncio.create_task(loop.run(memo.kube, REGISTRY, memo.stop))

@@ -5,6 +5,12 @@ It runs as one background task started by the operator (not a Kopf timer: a time
 finalizer, and a finalizer blocks deletion whenever the operator is down). The registry is fed by
 a Kopf watch-event handler; reconciles of one object are serialized by a per-object lock so a
 change handler and a tick never interleave.
+
+Services never wait for each other: each period starts a tick task per ModelService and does not
+wait for it; a service whose previous tick is still running skips that period (and says so) while
+the others tick on time. Every step of a tick is bounded (API calls and pod requests have
+deadlines and byte caps), and a failure to read or evaluate metrics still reconciles, so drift
+correction never stops because of what a pod serves.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ import httpx
 
 from magnitude.operator import naming as n
 from magnitude.operator.apply import ApiError, Kube
-from magnitude.operator.autoscaler import decide
-from magnitude.operator.desired import desired_replicas
+from magnitude.operator.autoscaler import Decision, decide, hold
+from magnitude.operator.desired import Owner, desired_replicas
 from magnitude.operator.engine_client import set_shedding
-from magnitude.operator.reconcile import SpecInvalid, parse_spec, parse_status, reconcile
+from magnitude.operator.reconcile import SpecInvalid, operator_key, parse_spec, parse_status, reconcile
 from magnitude.operator.scrape import PodInfo, Scraper, pod_url
 from magnitude.operator.status import memory_from_status
 
@@ -40,7 +46,6 @@ class Entry:
     body: dict[str, Any]
     lock: threading.Lock = field(default_factory=threading.Lock)
     scraper: Scraper = field(default_factory=Scraper)
-    token: str | None = None
 
 
 class Registry:
@@ -103,9 +108,15 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
     except SpecInvalid:
         return  # the change handler has reported it; nothing to scale
     pods = pod_infos(await asyncio.to_thread(kube.list_pods, namespace, n.selector_string(name)))
-    loads = await entry.scraper.scrape(client, pods, namespace)
     prev = parse_status(body)
-    decision = decide(spec, desired_replicas(spec, prev), loads, memory_from_status(prev), now=time.time())
+    current, memory = desired_replicas(spec, prev), memory_from_status(prev)
+    decision: Decision
+    try:
+        loads = await entry.scraper.scrape(client, pods, namespace)
+        decision = decide(spec, current, loads, memory, now=time.time())
+    except Exception as e:  # noqa: BLE001 - whatever a pod served, the reconcile below must still run
+        log.exception("%s/%s: could not evaluate metrics", namespace, name)
+        decision = hold(spec, current, memory, f"metrics could not be evaluated: {type(e).__name__}: {e}")
 
     def locked() -> None:
         with entry.lock:
@@ -116,28 +127,41 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
     stale = shed_stale(pods, entry.scraper.shed_reported, want)
     if not stale:
         return
-    if entry.token is None:
-        entry.token = await asyncio.to_thread(kube.read_admin_token, namespace, name)
+    token = Owner.from_body(body, operator_key()).token  # derived: no Secret to read back
     for p in stale:
         url = pod_url(p, namespace)
-        if not (url and entry.token):
+        if url is None:
             continue
-        if not await set_shedding(client, url, entry.token, decision.shed_classes):
+        if not await set_shedding(client, url, token, decision.shed_classes):
             log.warning("%s/%s: pod %s did not accept shedding %s", namespace, name, p.name, decision.shed_classes)
-            entry.token = None  # re-read next tick, in case the Secret was replaced
+
+
+async def _tick_logged(kube: Kube, key: Key, entry: Entry, client: httpx.AsyncClient) -> None:
+    try:
+        await tick(kube, entry, client)
+    except ApiError as e:
+        log.warning("%s/%s: tick failed: %s", *key, e)
+    except Exception:  # noqa: BLE001 - one service's failure must not end the loop for the others
+        log.exception("%s/%s: tick crashed", *key)
 
 
 async def run(kube: Kube, registry: Registry, stop: asyncio.Event | None = None) -> None:
     """Tick every ModelService each sync period until `stop` is set (or the task is cancelled)."""
     period = sync_seconds()
+    running: dict[Key, asyncio.Task[None]] = {}
     async with httpx.AsyncClient() as client:
-        while stop is None or not stop.is_set():
-            started = time.monotonic()
-            entries = registry.items()
-            results = await asyncio.gather(*(tick(kube, e, client) for _, e in entries), return_exceptions=True)
-            for (key, _), result in zip(entries, results):
-                if isinstance(result, ApiError):
-                    log.warning("%s/%s: tick failed: %s", *key, result)
-                elif isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
-                    log.error("%s/%s: tick crashed", *key, exc_info=result)
-            await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
+        try:
+            while stop is None or not stop.is_set():
+                started = time.monotonic()
+                for key, entry in registry.items():
+                    busy = running.get(key)
+                    if busy is not None and not busy.done():
+                        log.warning("%s/%s: previous tick still running; skipping this period", *key)
+                        continue
+                    running[key] = asyncio.create_task(_tick_logged(kube, key, entry, client), name=f"tick {key}")
+                running = {k: t for k, t in running.items() if not t.done()}
+                await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
+        finally:
+            for task in running.values():
+                task.cancel()
+            await asyncio.gather(*running.values(), return_exceptions=True)

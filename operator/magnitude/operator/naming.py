@@ -20,6 +20,10 @@ CONFIG_DIR = "/etc/magnitude"
 CONFIG_FILE = "engine.yaml"
 ADMIN_TOKEN_KEY = "token"
 ADMIN_TOKEN_ENV = "MAGNITUDE_ADMIN_TOKEN"
+# The engine's root filesystem is read-only; these emptyDirs are the only places it writes.
+CACHE_DIR = "/var/cache/magnitude"  # converted models (MAGNITUDE_CACHE), HF_HOME, XDG_CACHE_HOME
+TMP_DIR = "/tmp"
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -45,8 +49,8 @@ def config_map_name(name: str) -> str:
     return f"{name}-engine-config"
 
 
-def admin_secret_name(name: str) -> str:
-    return f"{name}-admin-token"
+def admin_secret_name(name: str, fingerprint: str) -> str:
+    return f"{name}-admin-{fingerprint}"
 
 
 def deployment_name(name: str) -> str:
@@ -62,4 +66,8 @@ def pdb_name(name: str) -> str:
 
 
 def service_monitor_name(name: str) -> str:
+    return name
+
+
+def network_policy_name(name: str) -> str:
     return name

@@ -7,7 +7,10 @@ an unchanged spec plans no writes and an unchanged status is not written.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -17,8 +20,9 @@ from pydantic import ValidationError
 from magnitude.operator import autoscaler as a
 from magnitude.operator import naming as n
 from magnitude.operator import status as st
-from magnitude.operator.apply import ApiError, Kube, new_admin_token
-from magnitude.operator.desired import Owner, build_admin_secret, build_all, desired_replicas
+from magnitude.operator.apply import ApiError, Kube
+from magnitude.operator.desired import (DEFAULT_OPERATOR_NAMESPACE, Owner, absent_children, build_admin_secret,
+                                        build_all, desired_replicas)
 from magnitude.operator.plan import Apply, Plan, plan
 from magnitude.operator.servicever import service_version
 from magnitude.operator.spec import ModelServiceSpec, ModelServiceStatus
@@ -28,6 +32,37 @@ log = logging.getLogger(__name__)
 NORMAL, WARNING = "Normal", "Warning"
 SHED_EVENTS = {a.SHED_STARTED: WARNING, a.SHED_ESCALATED: WARNING, a.SHED_REDUCED: NORMAL, a.SHED_STOPPED: NORMAL}
 SCALING_EVENTS = {a.AT_MAX: WARNING, a.METRICS_UNAVAILABLE: WARNING, a.PODS_PENDING: NORMAL}
+
+
+OPERATOR_NAMESPACE_ENV = "MAGNITUDE_OPERATOR_NAMESPACE"  # the chart sets it from the downward API
+SERVICE_ACCOUNT_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def operator_namespace() -> str:
+    """Where this operator runs (a NetworkPolicy must admit its scrapes): the environment, else the
+    in-cluster service account's namespace, else the chart's default."""
+    found = os.environ.get(OPERATOR_NAMESPACE_ENV, "").strip()
+    if not found and os.path.exists(SERVICE_ACCOUNT_NAMESPACE_FILE):
+        with open(SERVICE_ACCOUNT_NAMESPACE_FILE) as f:
+            found = f.read().strip()
+    return found or DEFAULT_OPERATOR_NAMESPACE
+
+
+TOKEN_KEY_ENV = "MAGNITUDE_OPERATOR_TOKEN_KEY"  # the chart passes its key Secret's value
+
+
+@functools.cache
+def operator_key() -> bytes:
+    """The key the engines' admin tokens are derived from (`desired.admin_token`). The chart keeps
+    it in a Secret of its own namespace that the kubelet hands to the operator as an environment
+    variable: the operator itself has no right to read any Secret. Without one (a development
+    run), a key for this process only: engines then get new tokens, and roll, when it restarts."""
+    key = os.environ.get(TOKEN_KEY_ENV, "")
+    if key:
+        return key.encode()
+    log.warning("%s is not set: admin tokens are derived from a key of this process only; engine pods "
+                "roll to new tokens when the operator restarts", TOKEN_KEY_ENV)
+    return secrets.token_bytes(32)
 
 
 class SpecInvalid(Exception):
@@ -107,7 +142,7 @@ def _finish(kube: Kube, body: dict[str, Any], prev: ModelServiceStatus | None, n
 
 def reconcile(kube: Kube, body: dict[str, Any], decision: a.Decision | None = None) -> Result:
     """Bring the children in line with the spec (and `decision`, when the scale loop has one)."""
-    owner = Owner.from_body(body)
+    owner = Owner.from_body(body, operator_key())
     generation = body["metadata"].get("generation")
     prev = parse_status(body)
     try:
@@ -121,12 +156,13 @@ def reconcile(kube: Kube, body: dict[str, Any], decision: a.Decision | None = No
         raise
     replicas = decision.replicas if decision is not None else desired_replicas(spec, prev)
     problems = tuple(unsupported(spec))
-    desired = build_all(owner, spec, replicas, service_monitor=kube.has_service_monitors())
-    fresh_secret = build_admin_secret(owner, new_admin_token())
-    observed = kube.observe(desired + [fresh_secret])
+    desired = build_all(owner, spec, replicas, service_monitor=kube.has_service_monitors(),
+                        operator_namespace=operator_namespace())
+    absent = absent_children(owner, spec)
+    observed = kube.observe(desired + absent)
     the_plan, apply_error, written = Plan(), None, {}
     if not problems:  # refused specs leave what runs untouched
-        the_plan = plan(desired, observed, fresh_secret)
+        the_plan = plan(desired, observed, build_admin_secret(owner), absent)
         if decision is not None and decision.deletion_costs and the_plan.replicas:
             kube.set_deletion_costs(owner.namespace, decision.deletion_costs)  # before the ReplicaSet picks victims
         for action in the_plan.actions:
