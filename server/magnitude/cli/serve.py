@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from magnitude.runner import QUANTIZATIONS  # torch-free: the package's __init__ only
+from magnitude.server.auth import AUTH_MODES  # pydantic and yaml only
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "from which a null scheduler.prefillChunkSize is derived for scheduler.itlTargetMs")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated runner: multiply modelled step times")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $MAGNITUDE_API_KEY)")
+    p.add_argument("--auth-mode", choices=AUTH_MODES,
+                   help="who the tenant is: none (client claims), apiKeys (from the key), trustedGateway "
+                   "(X-Magnitude-Tenant/-Priority-Class headers) (default: $MAGNITUDE_AUTH_MODE or none)")
+    p.add_argument("--api-keys-file", help="apiKeys: YAML/JSON keys document, re-read when it changes "
+                   "(default: $MAGNITUDE_API_KEYS_FILE)")
     p.add_argument("--served-model-name", help="extra model name clients may send")
     p.add_argument("--device", help="cpu or cuda (default: automatic)")
     p.add_argument("--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)")
@@ -117,11 +123,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"magnitude serve: {exc}", file=sys.stderr)
         return 2
     settings = ServerSettings.from_env(
-        api_key=args.api_key, served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace
+        api_key=args.api_key, served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace,
+        auth_mode=args.auth_mode, api_keys_file=args.api_keys_file,
     )
     metrics = EngineMetrics(tenant_labels=config.tenant_labels)
     engine = AsyncEngine(config, load_runner, metrics)
-    app = create_app(engine, metrics.registry, settings)
+    try:
+        app = create_app(engine, metrics.registry, settings)
+    except ConfigError as exc:  # the auth settings or the keys file (AuthConfigError)
+        print(f"magnitude serve: {exc}", file=sys.stderr)
+        return 2
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -21,6 +21,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from magnitude.engine.sampling import SamplingParams
+from magnitude.server.auth import (
+    DEFAULT_RELOAD_INTERVAL_S,
+    GATEWAY_CLASS_HEADER,
+    GATEWAY_TENANT_HEADER,
+    Authenticator,
+    AuthError,
+    Claims,
+    Decision,
+    bearer_token,
+)
 from magnitude.server.async_engine import (
     AsyncEngine,
     Delta,
@@ -46,6 +56,9 @@ NOT_READY_RETRY_S = 5.0
 @dataclass
 class ServerSettings:
     api_key: str | None = None  # bearer key for /v1 routes; None: open
+    auth_mode: str | None = None  # none | apiKeys | trustedGateway (auth.py); None: none
+    api_keys_file: str | None = None  # apiKeys: the keys document, re-read when it changes
+    api_keys_reload_s: float = DEFAULT_RELOAD_INTERVAL_S  # how often a lookup may re-check the keys file
     admin_token: str | None = None  # bearer token for /admin routes; None: admin disabled
     served_model_name: str | None = None  # extra name clients may use for the model
     shutdown_grace_s: float = 30.0
@@ -54,7 +67,12 @@ class ServerSettings:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ServerSettings":
-        s = cls(api_key=os.environ.get("MAGNITUDE_API_KEY") or None, admin_token=os.environ.get("MAGNITUDE_ADMIN_TOKEN") or None)
+        s = cls(
+            api_key=os.environ.get("MAGNITUDE_API_KEY") or None,
+            admin_token=os.environ.get("MAGNITUDE_ADMIN_TOKEN") or None,
+            auth_mode=os.environ.get("MAGNITUDE_AUTH_MODE") or None,
+            api_keys_file=os.environ.get("MAGNITUDE_API_KEYS_FILE") or None,
+        )
         for k, v in overrides.items():
             if v is not None:
                 setattr(s, k, v)
@@ -62,13 +80,24 @@ class ServerSettings:
 
 
 def _bearer_ok(authorization: str | None, secret: str) -> bool:
-    if not authorization or not authorization.lower().startswith("bearer "):
-        return False
-    return hmac.compare_digest(authorization[7:].strip().encode(), secret.encode())
+    token = bearer_token(authorization)
+    return token is not None and hmac.compare_digest(token.encode(), secret.encode())
+
+
+def _api_error(exc: AuthError) -> APIError:
+    return APIError(exc.status, exc.message, param=exc.param, code=exc.code)
 
 
 def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
+    # Bad settings or keys file: AuthConfigError before serving (`magnitude serve` exits 2).
+    authenticator = Authenticator.build(
+        settings.auth_mode,
+        settings.api_key,
+        settings.api_keys_file,
+        [c.name for c in engine.config.scheduler.priority_classes],
+        settings.api_keys_reload_s,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -85,9 +114,12 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
     app.state.settings = settings
     install_error_handlers(app)
 
-    async def require_api_key(authorization: str | None = Header(default=None)) -> None:
-        if settings.api_key and not _bearer_ok(authorization, settings.api_key):
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    async def require_api_key(request: Request, authorization: str | None = Header(default=None)) -> None:
+        # The identity (apiKeys) rides on the request for `_serve`'s decision.
+        try:
+            request.state.identity = authenticator.authenticate(authorization)
+        except AuthError as exc:
+            raise _api_error(exc) from exc
 
     async def require_admin(authorization: str | None = Header(default=None)) -> None:
         if not settings.admin_token:
@@ -173,14 +205,14 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             phase, message = engine.not_ready_reason()
             raise APIError(503, message, code=f"not_ready:{phase}", retry_after_s=NOT_READY_RETRY_S)
 
-    async def prepare(body: ChatCompletionRequest | CompletionRequest, tenant: str, chat: bool) -> RequestSpec:
+    async def prepare(body: ChatCompletionRequest | CompletionRequest, who: Decision, chat: bool) -> RequestSpec:
         """Checks that need the loaded model, then tokenization and sampling parameters."""
         if body.model not in model_names():
             raise APIError(404, f"model '{body.model}' not found; available: {model_names()}", param="model", code="model_not_found")
         classes = [c.name for c in engine.config.scheduler.priority_classes]
-        priority_class = body.priority_class or engine.config.scheduler.default_priority_class
+        priority_class = who.priority_class
         if priority_class not in classes:
-            raise APIError(400, f"unknown priority_class '{priority_class}'; known: {classes}", param="priority_class")
+            raise APIError(400, f"unknown priority_class '{priority_class}'; known: {classes}", param=who.class_param)
         renderer = engine.renderer
         assert renderer is not None
         prompt_param = "messages" if chat else "prompt"
@@ -248,7 +280,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             prompt_token_ids=ids,
             sampling=sampling,
             priority_class=priority_class,
-            tenant=tenant,
+            tenant=who.tenant,
             deadline_ms=body.deadline_ms,
             include_progress=body.include_progress,
         )
@@ -265,13 +297,23 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             raise APIError(503, str(exc), code=f"not_ready:{exc.phase}", retry_after_s=NOT_READY_RETRY_S) from exc
 
     async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, x_tenant: str | None, chat: bool) -> Response:
-        tenant = (x_tenant or body.user or "default").strip() or "default"
-        if len(tenant) > 253:
-            raise APIError(400, "tenant (X-Tenant or user) longer than 253 characters", param="user")
+        claims = Claims(
+            user=body.user,
+            x_tenant=x_tenant,
+            priority_class=body.priority_class,
+            gateway_tenant=request.headers.get(GATEWAY_TENANT_HEADER),
+            gateway_class=request.headers.get(GATEWAY_CLASS_HEADER),
+        )
+        try:
+            who = authenticator.decide(
+                getattr(request.state, "identity", None), claims, engine.config.scheduler.default_priority_class
+            )
+        except AuthError as exc:
+            raise _api_error(exc) from exc
         if body.stream and body.include_progress and not engine.ready and engine.phase not in ("failed",) and not engine.stopping:
-            return StreamingResponse(_stream_after_loading(body, tenant, chat), media_type="text/event-stream")
+            return StreamingResponse(_stream_after_loading(body, who, chat), media_type="text/event-stream")
         check_not_ready()
-        spec = await prepare(body, tenant, chat)
+        spec = await prepare(body, who, chat)
         stream = submit(spec)
         builder = ResponseBuilder(stream.request_id, chat, body.model, want_logprobs=spec.sampling.logprobs is not None)
         headers = {"X-Request-Id": stream.request_id}
@@ -281,7 +323,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             )
         return await _collect(stream, builder, request, headers)
 
-    async def _stream_after_loading(body: ChatCompletionRequest | CompletionRequest, tenant: str, chat: bool) -> AsyncIterator[str]:
+    async def _stream_after_loading(body: ChatCompletionRequest | CompletionRequest, who: Decision, chat: bool) -> AsyncIterator[str]:
         """Streaming request that arrived while loading: report loading progress, then serve it."""
         builder = ResponseBuilder(new_request_id(), chat, body.model)
         queue: list[str] = []
@@ -298,7 +340,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             while queue:
                 yield queue.pop(0)
             waiter.result()
-            spec = await prepare(body, tenant, chat)
+            spec = await prepare(body, who, chat)
             stream = submit(spec, builder.request_id)
         except (APIError, NotReady) as exc:
             err = exc if isinstance(exc, APIError) else APIError(503, str(exc), code=f"not_ready:{exc.phase}")
