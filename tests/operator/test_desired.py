@@ -162,8 +162,8 @@ def test_network_policy_is_optional_and_admits_operator_prometheus_and_clients()
     assert rule["from"] == [
         {"namespaceSelector": {"matchLabels": ns("magnitude-system")}},  # the operator's scrapes and /admin
         {"namespaceSelector": {"matchLabels": ns("mon")}},  # Prometheus
-        {"podSelector": {"matchLabels": {}}},  # clients in the ModelService's own namespace
-        {"namespaceSelector": {"matchLabels": ns("web")}, "podSelector": {"matchLabels": {}}},
+        {"podSelector": {}},  # clients in the ModelService's own namespace
+        {"namespaceSelector": {"matchLabels": ns("web")}, "podSelector": {}},
     ]
     narrow = d.build_network_policy(OWNER, spec(networkPolicy={"enabled": True, "clientPodLabels": {"app": "ui"}}),
                                     "ops")

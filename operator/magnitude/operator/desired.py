@@ -283,7 +283,8 @@ def build_network_policy(owner: Owner, spec: ModelServiceSpec, operator_namespac
     `clientNamespaces`, narrowed to `clientPodLabels` when set). Egress is left alone: pods
     may need to download weights."""
     np = spec.network_policy
-    pods = {"matchLabels": dict(np.client_pod_labels)}
+    # {} selects every pod; the API server drops an empty matchLabels, so it is not written.
+    pods: dict[str, Any] = {"matchLabels": dict(np.client_pod_labels)} if np.client_pod_labels else {}
     clients = [{"podSelector": pods}] + [
         {**peer, "podSelector": pods} for peer in _namespaces(sorted(set(np.client_namespaces) - {owner.namespace}))]
     return {
