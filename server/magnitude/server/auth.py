@@ -279,6 +279,10 @@ def _refuse_conflicting_tenant(tenant: str, claims: Claims, source: str) -> None
             )
 
 
+def _invalid_key() -> AuthError:
+    return AuthError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
 class Authenticator:
     """One mode's checks: `authenticate` (the bearer header, for every /v1 route) and `decide`
     (tenant and class, for the generation routes)."""
@@ -320,10 +324,10 @@ class Authenticator:
         if self.store is not None:
             identity = None if token is None else self.store.lookup(token)
             if identity is None:
-                raise AuthError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                raise _invalid_key()
             return identity
         if self.api_key and (token is None or not hmac.compare_digest(token.encode(), self.api_key.encode())):
-            raise AuthError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            raise _invalid_key()
         return None
 
     def decide(self, identity: Identity | None, claims: Claims, default_class: str) -> Decision:
@@ -339,9 +343,11 @@ class Authenticator:
                     param=header,
                     code="untrusted_header",
                 )
-        if identity is None:  # mode none: the claims are all there is
+        if self.mode == "none":  # the claims are all there is
             tenant = _clean(claims.x_tenant) or _clean(claims.user) or DEFAULT_TENANT
             return Decision(_check_tenant(tenant, "X-Tenant" if _clean(claims.x_tenant) else "user"), claims.priority_class or default_class)
+        if identity is None:  # apiKeys: a route that skipped `authenticate` must not fall back to claims
+            raise _invalid_key()
         _refuse_conflicting_tenant(identity.tenant, claims, "API key")
         priority_class = claims.priority_class or identity.class_for(default_class)
         if identity.priority_classes is not None and priority_class not in identity.priority_classes:
