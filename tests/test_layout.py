@@ -78,6 +78,11 @@ def test_simulator_imports_no_runner_or_server(path: Path) -> None:
     assert _hits(path, HEAVY + ("magnitude.runner", "magnitude.server")) == []
 
 
+def test_auth_decision_imports_no_framework() -> None:
+    """Who the tenant is (server/auth.py) is decided without FastAPI, so it is testable as functions."""
+    assert _hits(ROOT / "server/magnitude/server/auth.py", HEAVY + ("magnitude.runner", "magnitude.engine")) == []
+
+
 def test_operator_autoscaler_is_pure() -> None:
     """The autoscaler and every operator module it imports (followed transitively) do no I/O."""
     forbidden = HEAVY + ("httpx", "asyncio", "magnitude.engine", "magnitude.runner", "magnitude.server")
