@@ -109,7 +109,7 @@ def test_rendered_chart_watched_namespaces_binds_per_namespace() -> None:
     assert "ClusterRoleBinding" not in kinds and "PrometheusRule" not in kinds  # no CRD advertised: no rule
     assert sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "RoleBinding") == ["team-a", "team-b"]
     dep = next(d for d in docs if d["kind"] == "Deployment")
-    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["MAGNITUDE_WATCH_NAMESPACES"] == "team-a,team-b"
 
 
