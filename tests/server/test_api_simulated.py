@@ -101,9 +101,12 @@ def test_progress_chunks_in_order_for_a_long_prompt() -> None:
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
     phases = [e["progress"]["phase"] for e in events if "progress" in e]
-    assert phases[0] == "queued" and phases[-1] == "generating"
-    prefill = [e["progress"] for e in events if e.get("progress", {}).get("phase") == "prefill"]
+    # preparing (the token count admission needs) comes before queued
+    assert phases[:2] == ["preparing", "queued"] and phases[-1] == "generating"
     total = chat_prompt_tokens("x" * 1000)
+    preparing = events[[i for i, e in enumerate(events) if "progress" in e][0]]["progress"]
+    assert preparing["prompt_tokens"] == total and preparing["ms"] >= 0
+    prefill = [e["progress"] for e in events if e.get("progress", {}).get("phase") == "prefill"]
     assert len(prefill) == -(-total // 64)  # one chunk per step
     assert [p["done"] for p in prefill] == sorted(p["done"] for p in prefill)
     assert prefill[-1] == {"phase": "prefill", "done": total, "total": total}

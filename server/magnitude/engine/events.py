@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# "shed" is the one kind the scheduler never emits: the engine records a change of the shed set
+# (an operator's decision, with no request) in the same decision log.
 EventKind = Literal[
-    "admit", "defer", "preempt", "reject", "release", "swap_out", "swap_in", "finish", "cancel", "timeout"
+    "admit", "defer", "preempt", "reject", "release", "swap_out", "swap_in", "finish", "cancel", "timeout", "shed"
 ]
 EVENT_KINDS: tuple[str, ...] = (
-    "admit", "defer", "preempt", "reject", "release", "swap_out", "swap_in", "finish", "cancel", "timeout",
+    "admit", "defer", "preempt", "reject", "release", "swap_out", "swap_in", "finish", "cancel", "timeout", "shed",
 )
 
 

@@ -47,6 +47,7 @@ from magnitude.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from magnitude.server.errors import APIError, install_error_handlers
 from magnitude.server.protocol import ChatCompletionRequest, CompletionRequest, SheddingRequest
 from magnitude.server.responses import SSE_DONE, ResponseBuilder, sse
+from magnitude.server.timeline import ArrivalStamp, arrival_of, client_request_id
 
 log = logging.getLogger("magnitude.server")
 
@@ -110,6 +111,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         BodySizeLimit,
         max_bytes=lambda: settings.max_body_bytes or engine.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
     )
+    app.add_middleware(ArrivalStamp, clock=engine.clock)  # outermost: arrival before the body is read
     app.state.engine = engine
     app.state.settings = settings
     install_error_handlers(app)
@@ -179,6 +181,21 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             raise APIError(400, str(exc), param="classes") from exc
         log.warning("load shedding %s: %s", "on" if shed else "off", shed)
         return {"enabled": bool(shed), "shed_classes": shed, "order": engine.shed_order()}
+
+    # -- debug: what happened to a request, and why (admin token: timelines name tenants) ------------
+    @app.get("/debug/requests/{request_id}", dependencies=[Depends(require_admin)])
+    async def debug_request(request_id: str) -> dict[str, Any]:
+        doc = engine.request_log.find(request_id)
+        if doc is None:
+            raise APIError(404, f"no request '{request_id}' among the live and the {engine.request_log.max_requests} "
+                                "most recent ones", param="request_id", code="request_not_found")
+        return doc
+
+    @app.get("/debug/decisions", dependencies=[Depends(require_admin)])
+    async def debug_decisions(since: int = 0, limit: int = 1000) -> dict[str, Any]:
+        if since < 0 or not 1 <= limit <= 10_000:
+            raise APIError(400, "since must be >= 0 and limit in 1..10000", param="since" if since < 0 else "limit")
+        return engine.request_log.decisions(since, limit)
 
     # -- OpenAI -------------------------------------------------------------------------------------
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
@@ -310,10 +327,16 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             )
         except AuthError as exc:
             raise _api_error(exc) from exc
+        arrival = arrival_of(request.scope)
+        try:
+            client_id = client_request_id(request.headers.get("x-request-id"))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="X-Request-Id") from exc
         if body.stream and body.include_progress and not engine.ready and engine.phase not in ("failed",) and not engine.stopping:
-            return StreamingResponse(_stream_after_loading(body, who, chat), media_type="text/event-stream")
+            return StreamingResponse(_stream_after_loading(body, who, chat, arrival, client_id), media_type="text/event-stream")
         check_not_ready()
         spec = await prepare(body, who, chat)
+        spec.arrival, spec.client_request_id = arrival, client_id
         stream = submit(spec)
         builder = ResponseBuilder(stream.request_id, chat, body.model, want_logprobs=spec.sampling.logprobs is not None)
         headers = {"X-Request-Id": stream.request_id}
@@ -323,7 +346,9 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             )
         return await _collect(stream, builder, request, headers)
 
-    async def _stream_after_loading(body: ChatCompletionRequest | CompletionRequest, who: Decision, chat: bool) -> AsyncIterator[str]:
+    async def _stream_after_loading(
+        body: ChatCompletionRequest | CompletionRequest, who: Decision, chat: bool, arrival: float | None, client_id: str | None
+    ) -> AsyncIterator[str]:
         """Streaming request that arrived while loading: report loading progress, then serve it."""
         builder = ResponseBuilder(new_request_id(), chat, body.model)
         queue: list[str] = []
@@ -340,7 +365,9 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             while queue:
                 yield queue.pop(0)
             waiter.result()
+            loading_s = 0.0 if arrival is None else max(0.0, engine.clock() - arrival)
             spec = await prepare(body, who, chat)
+            spec.arrival, spec.loading_s, spec.client_request_id = arrival, loading_s, client_id
             stream = submit(spec, builder.request_id)
         except (APIError, NotReady) as exc:
             err = exc if isinstance(exc, APIError) else APIError(503, str(exc), code=f"not_ready:{exc.phase}")

@@ -6,6 +6,8 @@ async iterator yields `Progress`, `Delta`, then exactly one terminal `Finished` 
 The engine-loop thread produces those events in `after_step` (under the loop's lock) and hands
 them to the asyncio side with `call_soon_threadsafe`. Loading runs in its own thread and reports
 phases (resolving, converting, loading_weights, warming_up) for `/readyz` and `loading` chunks.
+What happened to each request (timeline, timing, the decision log) is kept by `timeline.RequestLog`,
+which this class feeds and the HTTP layer reads.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from magnitude.server.engine_loop import EngineLoop, StepStats, stats_of
 from magnitude.server.metrics import EngineMetrics, RequestRecord
 from magnitude.server.output_processor import OutputState, TokenLogprob
 from magnitude.server.protocol import internal_error_message
+from magnitude.server.timeline import RequestLog
 from magnitude.server.tokenization import PromptRenderer
 
 log = logging.getLogger("magnitude.async_engine")
@@ -50,7 +53,7 @@ class Runner(Protocol):
 # -- events a RequestStream yields ---------------------------------------------------------------
 @dataclass(slots=True)
 class Progress:
-    phase: str  # loading | queued | prefill | generating
+    phase: str  # loading | preparing | queued | prefill | generating
     detail: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -69,7 +72,7 @@ class Finished:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    timing: dict[str, float | None]
+    timing: dict[str, float | int | None]
 
 
 @dataclass(slots=True)
@@ -109,6 +112,9 @@ class RequestSpec:
     tenant: str = "default"
     deadline_ms: float | None = None
     include_progress: bool = False
+    arrival: float | None = None  # engine clock when the HTTP request arrived; None: at submit
+    loading_s: float = 0.0  # of which spent waiting for the model to load
+    client_request_id: str | None = None  # the client's X-Request-Id: the timeline is findable by it
 
 
 class RequestStream:
@@ -172,8 +178,10 @@ class AsyncEngine:
         *,
         clock: Callable[[], float] = time.monotonic,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        request_log: RequestLog | None = None,
     ) -> None:
         self.config = config
+        self.request_log = request_log if request_log is not None else RequestLog(clock)
         self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics
         self.clock = clock
@@ -322,6 +330,8 @@ class AsyncEngine:
             shed = [c for c in order if c in classes]
         else:
             shed = order[: min(levels, len(order) - 1)] if enabled else []
+        if set(shed) != self.shed_classes:
+            self.request_log.shed(self.clock(), shed)
         self.shed_classes = set(shed)
         if self.loop is not None:
             with self.loop.lock:
@@ -338,16 +348,18 @@ class AsyncEngine:
         from magnitude.runner.detokenize import IncrementalDetokenizer
 
         now = self.clock()
+        # Arrival is when the HTTP request came in: aging, deadlines, TTFT and e2e count preparation.
+        arrival = now if spec.arrival is None else min(spec.arrival, now)
         request_id = request_id or new_request_id()
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(spec.prompt_token_ids),
             num_prompt_tokens=len(spec.prompt_token_ids),
             sampling=spec.sampling,
-            arrival_time=now,
+            arrival_time=arrival,
             priority_class=spec.priority_class,
             tenant=spec.tenant,
-            deadline=None if spec.deadline_ms is None else now + spec.deadline_ms / 1000.0,
+            deadline=None if spec.deadline_ms is None else arrival + spec.deadline_ms / 1000.0,
             eos_token_ids=list(self.runner.eos_token_ids),
             cache_key=f"{self.model_name}|{spec.tenant}",
         )
@@ -358,20 +370,36 @@ class AsyncEngine:
         tracked = _Tracked(request=request, spec=spec, stream=stream, out=out)
         with self.loop.lock:
             self._tracked[request_id] = tracked
+            self.request_log.open(
+                request_id, arrival=arrival, enqueued=now, prompt_tokens=request.num_prompt_tokens,
+                priority_class=spec.priority_class, tenant=spec.tenant, loading_s=spec.loading_s,
+                client_id=spec.client_request_id,
+            )
             decision = self.loop.add_request(request)
             if not decision.accepted:
                 del self._tracked[request_id]
+                # File the scheduler's reject event now, so the timeline explains the 429 it answers
+                # (other requests' events drained with it are handled as after a step).
+                self._finalize_from_events(self._dispatch_events(now, now, None, []))
+                self._flush()
                 reason = decision.reason or "rejected"
                 self.metrics.observe_rejection(reason, spec.priority_class)
+                self.request_log.close(request_id, "rejected", now, [])
                 self.metrics.observe_request(
-                    RequestRecord(spec.priority_class, spec.tenant, "rejected", now, prompt_tokens=request.num_prompt_tokens)
+                    RequestRecord(spec.priority_class, spec.tenant, "rejected", arrival, prompt_tokens=request.num_prompt_tokens)
                 )
                 raise Rejected(reason, decision.retry_after_s)
+            position = self.loop.scheduler.queue_position(request_id)
+            self.request_log.queued(request_id, now, position)
             if spec.include_progress:
-                position = self.loop.scheduler.queue_position(request_id)
+                # `preparing` reports the preparation admission waited for (it needs the token count);
+                # it is sent once preparation is over, because a preparation error is an HTTP status.
+                prepared_ms = round(max(0.0, now - arrival - spec.loading_s) * 1000.0, 3)
+                progress = [Progress("preparing", {"prompt_tokens": request.num_prompt_tokens, "ms": prepared_ms})]
                 if position is not None:
                     tracked.last_position = position
-                    stream._queue.put_nowait([Progress("queued", {"position": position})])
+                    progress.append(Progress("queued", {"position": position}))
+                stream._queue.put_nowait(progress)
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -398,6 +426,7 @@ class AsyncEngine:
         now = stats.t
         if plan is not None:
             self._prefill_progress(plan)
+        events = self._dispatch_events(now - stats.duration_s, now, plan, updates)
         sampled = output.sampled if output is not None else {}
         for upd in updates:
             tr = self._tracked.get(upd.request_id)
@@ -409,15 +438,27 @@ class AsyncEngine:
                 log.exception("output processing failed for request id %s", upd.request_id)
                 self.loop.scheduler.abort(upd.request_id, now, reason="output_error")
                 self._fail(tr, "failed", 500, internal_error_message(upd.request_id), "internal_error")
-        for ev in self.loop.scheduler.drain_events():
+        self._finalize_from_events(events)
+        self._queue_positions()
+        self._flush()
+
+    def _dispatch_events(self, start: float, end: float, plan: StepPlan | None, updates: list[Any]) -> list[Any]:
+        """Drain the scheduler's decisions into the request log (with this step's chunks and first
+        tokens); returns them for `_finalize_from_events`. Under the loop lock."""
+        assert self.loop is not None
+        events = self.loop.scheduler.drain_events()
+        if events or plan is not None or updates:
+            self.request_log.observe_step(start, end, plan, events, updates)
+        return events
+
+    def _finalize_from_events(self, events: list[Any]) -> None:
+        for ev in events:
             tr = self._tracked.get(ev.request_id) if ev.request_id else None
             if tr is not None and ev.kind == "admit" and ev.reason == "scheduled":
                 self._observe_queue_time(tr)
             if tr is None or tr.done or ev.kind not in TERMINAL_EVENT_KINDS:
                 continue
             self._finalize_from_status(tr, TERMINAL_EVENT_KINDS[ev.kind], ev.reason or ev.kind)
-        self._queue_positions()
-        self._flush()
 
     def on_dead(self, exc: BaseException) -> None:
         self.metrics.engine_ready.set(0)
@@ -478,33 +519,25 @@ class AsyncEngine:
 
     def _observe_queue_time(self, tr: _Tracked) -> None:
         # The scheduler emits "admit/scheduled" once, when it sets admitted_time: one observation per request.
+        # Queue time is time in the scheduler's queue: from the end of preparation, not from arrival.
         req = tr.request
-        if req.admitted_time is not None:
-            self.metrics.observe_queue_time(req.priority_class, req.tenant, req.admitted_time - req.arrival_time)
+        enqueued = self.request_log.enqueued_at(req.request_id)
+        if req.admitted_time is not None and enqueued is not None:
+            self.metrics.observe_queue_time(req.priority_class, req.tenant, req.admitted_time - enqueued)
 
-    def _timing(self, req: Any, end: float | None) -> tuple[dict[str, float | None], RequestRecord]:
-        arrival = req.arrival_time
-        admitted = getattr(req, "admitted_time", None)
-        first = getattr(req, "first_token_time", None)
+    def _close(self, tr: _Tracked, status: str, end: float | None) -> tuple[dict[str, float | int | None], RequestRecord]:
+        """Freeze the request's timeline (its timing is the response's) and build the metrics record."""
+        req = tr.request
         times = list(getattr(req, "token_times", []) or [])
-        finished = getattr(req, "finish_time", None) or end or (times[-1] if times else None)
-        ms = lambda a, b: None if a is None or b is None else round((b - a) * 1000.0, 3)  # noqa: E731
-        mean_itl = None
-        if len(times) >= 2:
-            mean_itl = round((times[-1] - times[0]) / (len(times) - 1) * 1000.0, 3)
-        timing = {
-            "queue_time_ms": ms(arrival, admitted),
-            "ttft_ms": ms(arrival, first),
-            "mean_itl_ms": mean_itl,
-            "e2e_ms": ms(arrival, finished),
-        }
+        finished = getattr(req, "finish_time", None) or end or (times[-1] if times else None) or self.clock()
+        timing = self.request_log.close(req.request_id, status, finished, times)
         rec = RequestRecord(
             priority_class=req.priority_class,
             tenant=req.tenant,
-            status="finished",
-            arrival=arrival,
-            admitted=admitted,
-            first_token=first,
+            status=status,
+            arrival=req.arrival_time,
+            admitted=req.admitted_time,
+            first_token=req.first_token_time,
             finished=finished,
             token_times=times,
             prompt_tokens=req.num_prompt_tokens,
@@ -516,14 +549,13 @@ class AsyncEngine:
         tail = tr.out.finish()
         if tail:
             tr.events.append(Delta(tail, [], []))
-        timing, rec = self._timing(tr.request, end)
+        timing, rec = self._close(tr, "finished", end)
         self.metrics.observe_request(rec)
         tr.events.append(Finished(finish_reason, rec.prompt_tokens, rec.output_tokens, timing))
         tr.done = True
 
     def _fail(self, tr: _Tracked, status: str, http_status: int, message: str, code: str) -> None:
-        _, rec = self._timing(tr.request, self.clock())
-        rec.status = status
+        _, rec = self._close(tr, status, self.clock())
         self.metrics.observe_request(rec)
         tr.events.append(Failed(http_status, message, code))
         tr.done = True
