@@ -253,3 +253,57 @@ def test_a_tick_that_cannot_evaluate_metrics_still_corrects_drift(api: Env, monk
     assert image != "evil:latest"  # drift corrected
     cond = api.cond("Scaling")
     assert cond["reason"] == "MetricsUnavailable" and "could not be evaluated: KeyError" in cond["message"], cond
+
+
+class SlowKube(Kube):
+    """The operator's client to the real API server, except that listing pods in the namespaces
+    in `stuck` waits until the test lets go: a slow admission webhook or API priority queue."""
+
+    def __init__(self, inner: Kube, stuck: set[str], release: threading.Event) -> None:
+        super().__init__(inner._api)
+        self.stuck, self.release, self.waiting = stuck, release, 0
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        if namespace in self.stuck:
+            self.waiting += 1
+            self.release.wait(120)
+        return super().list_pods(namespace, selector)
+
+
+def test_services_stuck_in_api_calls_do_not_starve_the_others(apiserver: ApiServer,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight services whose API calls hang and one healthy one: the healthy one keeps ticking.
+    Through asyncio's default executor (6 threads on 2 CPUs) its calls queued behind theirs."""
+    envs = [Env(apiserver) for _ in range(9)]
+    healthy = envs[-1]
+    monkeypatch.setenv(loop.SYNC_SECONDS_ENV, "0.1")
+    registry = loop.Registry()
+    for env in envs:
+        reconcile(env.kube, env.body(**SPEC))
+        registry.entry(env.ns, NAME, env.current())
+    release = threading.Event()
+    kube = SlowKube(healthy.kube, {e.ns for e in envs[:-1]}, release)
+    calls = {"healthy": 0}
+    real_list = Kube.list_pods
+
+    def counting(self: Kube, namespace: str, selector: str) -> list[dict[str, Any]]:
+        if namespace == healthy.ns:
+            calls["healthy"] += 1
+        return real_list(self, namespace, selector)
+    monkeypatch.setattr(Kube, "list_pods", counting)
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(loop.run(kube, registry, stop))
+        try:
+            async def healthy_ticked_thrice_while_others_stuck() -> None:
+                while calls["healthy"] < 3:
+                    assert not task.done(), task
+                    await asyncio.sleep(0.05)
+            await asyncio.wait_for(healthy_ticked_thrice_while_others_stuck(), 60)
+            assert kube.waiting == 8 and not release.is_set()
+        finally:
+            release.set()
+            stop.set()
+            await asyncio.wait_for(task, 60)
+    asyncio.run(asyncio.wait_for(go(), 180))
