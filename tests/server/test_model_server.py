@@ -122,3 +122,29 @@ def test_logprobs_are_real_and_greedy_picks_the_top(model_server: RunningServer)
     assert len(lp.token_logprobs) == 3 and all(v <= 0.0 for v in lp.token_logprobs)
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 2 and max(top.values()) == pytest.approx(chosen, abs=1e-4)
+
+
+def test_prefix_cache_hit_shows_in_timeline_and_timing(model_server: RunningServer) -> None:
+    """The same long prompt twice: the second reuses the first's full KV blocks, says so in its
+    timeline and `timing.cached_prompt_tokens`, answers the same, and its timing adds up."""
+    prompt = "Repeat after me, exactly: " + " ".join(PROMPTS)
+    c = client(model_server)
+    answers, timings = [], []
+    for _ in range(2):
+        r = c.chat.completions.create(model=model_id(model_server), messages=[{"role": "user", "content": prompt}],
+                                      max_tokens=4, temperature=0)
+        answers.append(r.choices[0].message.content)
+        timings.append(r.model_extra["timing"])  # type: ignore[index]
+        doc = model_server.engine.request_log.find(r.id)
+        assert doc is not None and doc["timing"] == timings[-1]
+    assert answers[0] == answers[1]
+    block = model_server.engine.config.kv_cache.block_size
+    assert timings[0]["cached_prompt_tokens"] == 0
+    assert timings[1]["cached_prompt_tokens"] >= block and timings[1]["cached_prompt_tokens"] % block == 0
+    hits = [e for e in doc["events"] if e["kind"] == "prefix_cache_hit"]
+    assert [h["tokens"] for h in hits] == [timings[1]["cached_prompt_tokens"]]
+    chunks = [e for e in doc["events"] if e["kind"] == "prefill_chunk"]
+    assert chunks[0]["start"] == timings[1]["cached_prompt_tokens"]  # prefill starts after the cached part
+    for t in timings:
+        total = sum(t[k] or 0.0 for k in ("queue_time_ms", "loading_ms", "preparation_ms", "prefill_ms", "decode_ms", "preempted_ms"))
+        assert abs(total - t["e2e_ms"]) <= 0.007

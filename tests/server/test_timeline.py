@@ -185,6 +185,15 @@ def test_timeline_over_http_found_by_every_id_and_timing_adds_up() -> None:
         assert kinds.index("first_token") > kinds.index("prefill_chunk")
         assert "finish" in kinds and kinds.index("finish") > kinds.index("first_token")
 
+        # the same story in metrics: decisions by kind and reason, phase and length histograms
+        assert s.metric("magnitude_decisions_total", kind="admit", reason="scheduled") == 1
+        assert s.metric("magnitude_decisions_total", kind="finish", reason="length") == 1
+        for name in ("request_preparation_seconds", "request_prefill_seconds", "request_prompt_tokens",
+                     "request_generation_tokens"):
+            assert s.metric(f"magnitude_{name}_count", priority_class="standard") == 1, name
+        assert s.metric("magnitude_request_generation_tokens_sum") == 6
+        assert s.metric("magnitude_e2e_request_latency_seconds_bucket", le="7200.0") == 1  # hours-long buckets
+
         assert httpx.get(f"{s.url}/debug/requests/{body['id']}").status_code == 401
         r = httpx.get(f"{s.url}/debug/requests/nope", headers=ADMIN)
         assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
@@ -214,6 +223,8 @@ def test_a_429_is_explained_by_its_timeline_and_the_decision_log() -> None:
         assert page["decisions"][0]["classes"] == ["batch"]
         again = httpx.get(s.url + "/debug/decisions", params={"since": page["next"]}, headers=ADMIN).json()
         assert again["decisions"] == [] and again["next"] == page["next"]
+        assert s.metric("magnitude_decisions_total", kind="reject", reason="shedding") == 1
+        assert s.metric("magnitude_decisions_total", kind="shed", reason="admin") == 1
         assert httpx.get(s.url + "/debug/decisions", params={"since": -1}, headers=ADMIN).status_code == 400
 
 

@@ -164,6 +164,10 @@ def _status_name(status: Any) -> str:
     )
 
 
+def _seconds(ms: float | int | None) -> float | None:
+    return None if ms is None else ms / 1000.0
+
+
 def _deliver(batch: list[tuple[asyncio.Queue, list[Any]]]) -> None:
     for queue, events in batch:
         queue.put_nowait(events)
@@ -182,6 +186,7 @@ class AsyncEngine:
     ) -> None:
         self.config = config
         self.request_log = request_log if request_log is not None else RequestLog(clock)
+        metrics.register_decisions(self.request_log.decision_counts)
         self.stall_timeout_s = stall_timeout_s
         self.metrics = metrics
         self.clock = clock
@@ -384,9 +389,10 @@ class AsyncEngine:
                 self._flush()
                 reason = decision.reason or "rejected"
                 self.metrics.observe_rejection(reason, spec.priority_class)
-                self.request_log.close(request_id, "rejected", now, [])
+                timing = self.request_log.close(request_id, "rejected", now, [])
                 self.metrics.observe_request(
-                    RequestRecord(spec.priority_class, spec.tenant, "rejected", arrival, prompt_tokens=request.num_prompt_tokens)
+                    RequestRecord(spec.priority_class, spec.tenant, "rejected", arrival, prompt_tokens=request.num_prompt_tokens,
+                                  preparation_s=_seconds(timing.get("preparation_ms")))
                 )
                 raise Rejected(reason, decision.retry_after_s)
             position = self.loop.scheduler.queue_position(request_id)
@@ -542,6 +548,8 @@ class AsyncEngine:
             token_times=times,
             prompt_tokens=req.num_prompt_tokens,
             output_tokens=len(getattr(req, "output_token_ids", []) or []),
+            preparation_s=_seconds(timing.get("preparation_ms")),
+            prefill_s=_seconds(timing.get("prefill_ms")),
         )
         return timing, rec
 

@@ -9,13 +9,18 @@ are bounded to the configured `tenant_labels` (plus `default`), everything else 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PREFIX = "magnitude_"
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# Up to two hours, as vLLM's are: long generations must not all land in +Inf. New bounds only add
+# buckets; the chart's TTFT SLO bound must stay one of them (tests/operator/test_chart.py).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+                   600.0, 1200.0, 1800.0, 3600.0, 7200.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000, 200_000)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
@@ -44,6 +49,9 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    # From the request's timeline (None = phase not reached).
+    preparation_s: float | None = None
+    prefill_s: float | None = None
 
 
 class EngineMetrics:
@@ -78,6 +86,12 @@ class EngineMetrics:
         self.itl = h("inter_token_latency_seconds", "Gap between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "Finish minus arrival.", LATENCY_BUCKETS)
         self.step_duration = h("step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS, labels=())
+        self.preparation_time = h("request_preparation_seconds",
+                                  "Arrival to admission check: validation, chat template, tokenization.", LATENCY_BUCKETS)
+        self.prefill_time = h("request_prefill_seconds", "First admission to first token, preempted time excluded.",
+                              LATENCY_BUCKETS)
+        self.prompt_length = h("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.output_length = h("request_generation_tokens", "Output tokens per finished request.", TOKEN_BUCKETS)
 
         c = lambda name, doc, labels: Counter(PREFIX + name, doc, labels, registry=r)  # noqa: E731
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of requests that reached their first token.", lat)
@@ -132,6 +146,17 @@ class EngineMetrics:
             itl.observe(max(0.0, b - a))
         if rec.finished is not None and rec.status == "finished":
             self.e2e.labels(*labels).observe(max(0.0, rec.finished - rec.arrival))
+            self.prompt_length.labels(*labels).observe(rec.prompt_tokens)
+            self.output_length.labels(*labels).observe(rec.output_tokens)
+        if rec.preparation_s is not None:
+            self.preparation_time.labels(*labels).observe(max(0.0, rec.preparation_s))
+        if rec.prefill_s is not None and rec.first_token is not None:
+            self.prefill_time.labels(*labels).observe(max(0.0, rec.prefill_s))
+
+    def register_decisions(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
+        """`magnitude_decisions_total{kind,reason}`, read from the request log at scrape time (its
+        reasons are already bounded), so a step pays nothing for it."""
+        self.registry.register(_DecisionCounts(counts))
 
     # -- state ------------------------------------------------------------------------------
     def set_model_info(self, model: str, device: str, dtype: str, quantization: str) -> None:
@@ -149,3 +174,19 @@ class EngineMetrics:
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _DecisionCounts:
+    """A collector over the decision log's counts (a counter family built at scrape time)."""
+
+    def __init__(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._counts = counts
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(PREFIX + "decisions", "Scheduler decisions by kind and reason.", labels=("kind", "reason"))]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(PREFIX + "decisions", "Scheduler decisions by kind and reason.", labels=("kind", "reason"))
+        for (kind, reason), n in sorted(self._counts().items()):
+            family.add_metric((kind, reason), n)
+        yield family
