@@ -178,6 +178,29 @@ class AdmissionPolicy(PolicyModel):
     default_max_tokens: int = Field(default=256, ge=1, le=1_000_000)
 
 
+class QuantizationEvaluationPolicy(PolicyModel):
+    """Thresholds a quantized model's evaluation record must meet before the engine serves it."""
+
+    min_top1_agreement: float = Field(
+        default=0.9, ge=0.0, le=1.0,
+        description="Least teacher-forced top-1 agreement with the unquantized model over the evaluation text.",
+    )
+    max_mean_kl: float = Field(
+        default=0.05, ge=0.0, le=100.0,
+        description="Largest mean KL divergence (nats per token) from the unquantized model over the evaluation text.",
+    )
+    min_probes_passed: int | None = Field(
+        default=None, ge=0, le=1000,
+        description="Least behaviour probes (factual, JSON, arithmetic, long-context recall) the quantized model "
+        "must pass among those the unquantized model passes; null: all of them.",
+    )
+    enforce: bool = Field(
+        default=True,
+        description="Below the thresholds the engine does not serve (readiness phase quantization_rejected); "
+        "false serves anyway and reports the failed record.",
+    )
+
+
 class EngineConfig(PolicyModel):
     """The whole engine-facing document: what a ConfigMap, --config file or simulator config holds."""
 
@@ -188,4 +211,8 @@ class EngineConfig(PolicyModel):
         default_factory=list,
         max_length=64,
         description="Tenants given their own metrics label; the rest are reported as `other`.",
+    )
+    quantization_evaluation: QuantizationEvaluationPolicy = Field(
+        default_factory=QuantizationEvaluationPolicy,
+        description="What a quantized model's evaluation record must show before it is served.",
     )

@@ -19,8 +19,20 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "1000"
 
 
-# Weight formats `ModelRunner(quantization=...)` applies (runner/quantize.py); here, torch-free, for CLI choices.
-QUANTIZATIONS = ("none", "int8")
+# Weight formats `ModelRunner(quantization=...)` applies (runner/quantize.py); here, torch-free, for CLI
+# choices. The dtype of everything else (`--dtype`) is a separate setting.
+#   w8a8:  int8 weights and per-token int8 activations (torch._int_mm), SmoothQuant-calibrated
+#   w8a16: int8 weights, activations in the model's dtype (weight-only; torch._weight_int8pack_mm)
+#   int8:  the earlier name of w8a8, still accepted so existing specs keep loading
+QUANTIZATIONS = ("none", "w8a8", "w8a16", "int8")
+QUANTIZATION_ALIASES = {"int8": "w8a8"}
+
+
+def canonical_quantization(name: str | None) -> str:
+    """The method a quantization name means ("int8" -> "w8a8"; None -> "none"); unknown names pass
+    through for the caller's check to refuse by name."""
+    q = name or "none"
+    return QUANTIZATION_ALIASES.get(q, q)
 
 
 def __getattr__(name: str):

@@ -1,6 +1,15 @@
-"""Int8 quantization of the decoder's linear projections and the LM head (W8A8, CPU).
+"""Int8 quantization of the decoder's linear projections and the LM head (CPU): two methods.
 
-`quantize_linears(model, "int8", device, calibration_ids)` swaps every `nn.Linear` inside the
+- `w8a16` (weight-only): `WeightOnlyInt8Linear` keeps int8 weights with one scale per output
+  channel and multiplies activations in the model's dtype (`torch._weight_int8pack_mm`). No
+  activation rounding, so its error is the weights' alone (top-1 agreement with fp32 0.971, mean
+  KL 0.004, `bench/int8_quality.py`) and its numerics are as stable as the unquantized model's.
+- `w8a8` (`int8` is its earlier name): described below.
+
+The evaluation record (`runner/quant_eval.py`) measures either against the unquantized model
+before the engine serves it.
+
+`quantize_linears(model, "w8a8", device, calibration_ids)` swaps every `nn.Linear` inside the
 decoder layers (q/k/v/o and the MLP's gate/up/down) and the LM head for an `Int8Linear`: weights
 int8 with one symmetric scale per output channel, activations quantized per token at run time,
 products in `torch._int_mm` (int8 x int8 -> int32, AVX-512 VNNI on this kind of CPU; 3-4x an fp32
@@ -18,6 +27,15 @@ scales absorb them. Measured on SmolLM2-135M against fp32 over 239 tokens the ca
 saw (`bench/int8_quality.py`), decoder linears only: top-1 agreement 0.895 -> 0.941, mean KL
 0.041 -> 0.016; with the int8 LM head too (what ships) 0.937 / 0.021; weight-only int8 0.971 / 0.004.
 
+Why w8a8's output depends on the CPU and on the batch: rounding x * 127 / max|x| to integers turns
+a one-ulp difference in an fp32 activation (SDPA's reduction order differs with the batch's shape
+and padding and with the CPU's kernels: AVX2, AVX-512, AMX) into a whole quantization step, about
+10^5 times the fp32 noise. Measured here, the same quantized model run alone and batched differs
+by up to 0.3 nats in a token's log-probability (0.54 with ATEN_CPU_CAPABILITY=default), so greedy
+output flips wherever the top two logits are that close (two of the runner tests' six prompts:
+margins 0.013 and 0.0003). Its tests therefore bound the runner's deviation per token instead of
+asking for token-for-token equality (tests/runner/test_int8.py).
+
 The model classes stay transformers' own: only leaf modules are replaced, so the paged attention,
 `generate` and the tests' HF reference all run the same quantized model.
 """
@@ -27,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from magnitude.runner import QUANTIZATIONS
+from magnitude.runner import QUANTIZATIONS, canonical_quantization
 
 # The range a symmetric int8 scale maps onto; -128 is left unused so that x and -x quantize alike.
 _QMAX = 127.0
@@ -89,16 +107,42 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel W, per-row A"
 
 
+class WeightOnlyInt8Linear(nn.Module):
+    """y = x (W_q s)^T (+ b): int8 weights with one scale per output channel; x stays in its dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / _QMAX
+        # [out, in] contiguous int8 and scales in the activations' dtype: what the kernel takes.
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8).contiguous())
+        self.register_buffer("weight_scale", scale.to(linear.weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(self.weight_scale.dtype).contiguous()
+        y = torch._weight_int8pack_mm(x2, self.qweight, self.weight_scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel W, A in model dtype"
+
+
 def check_quantization(quantization: str | None, device: torch.device) -> str:
-    """The quantization's name if this runner can apply it on `device`; QuantizationError otherwise.
-    Cheap: callers check before loading a model."""
-    q = quantization or "none"
-    if q not in QUANTIZATIONS:
-        raise QuantizationError(f"quantization {q!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    """The quantization method (canonical name) if this runner can apply it on `device`;
+    QuantizationError naming the value otherwise. Cheap: callers check before loading a model."""
+    if (quantization or "none") not in QUANTIZATIONS:
+        raise QuantizationError(f"quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    q = canonical_quantization(quantization)
     if q != "none" and device.type != "cpu":
-        # torch._int_mm on CUDA needs more than 16 rows and has not been validated here; bf16 is
-        # the weight format to use on a GPU.
-        raise QuantizationError(f"int8 weights are implemented for the CPU only (device {device.type}); use bf16")
+        # The int8 kernels used here are validated on the CPU only (torch._int_mm on CUDA needs
+        # more than 16 rows); bf16 is the weight format to use on a GPU.
+        raise QuantizationError(f"{q} weights are implemented for the CPU only (device {device.type}); use bf16")
     return q
 
 
@@ -118,10 +162,15 @@ def quantize_linears(model: nn.Module, quantization: str | None, device: torch.d
                      calibration_ids: list[int] | None = None) -> int:
     """Apply `quantization` in place to the decoder layers' linears and the LM head; returns how
     many modules were replaced.
-    With `calibration_ids` (e.g. the tokenized CALIBRATION_TEXT) the activations are smoothed."""
-    if check_quantization(quantization, device) == "none":
+    w8a8 with `calibration_ids` (e.g. the tokenized CALIBRATION_TEXT) smooths the activations."""
+    method = check_quantization(quantization, device)
+    if method == "none":
         return 0
     targets = quantization_targets(model)
+    if method == "w8a16":
+        for parent, name, child in targets:
+            setattr(parent, name, WeightOnlyInt8Linear(child))
+        return len(targets)
     absmax = calibrate_input_absmax(model, [c for _, _, c in targets], calibration_ids, device) if calibration_ids else {}
     for parent, name, child in targets:
         setattr(parent, name, Int8Linear(child, absmax.get(id(child))))

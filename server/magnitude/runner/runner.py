@@ -16,13 +16,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from pathlib import Path
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 
 from magnitude.engine.output import RunnerOutput, SampledToken, ScheduledSeq, StepPlan
+from magnitude.engine.quantization import QuantizationRecord
 from magnitude.engine.sampling import SamplingParams
+from magnitude.runner import quant_eval
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
@@ -63,6 +66,9 @@ class _Work:
         return self.seq.token_ids + self.drafts
 
 
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
 class ModelRunner:
     """The only object that touches torch for serving: model, paged KV pool, sampler."""
 
@@ -80,7 +86,10 @@ class ModelRunner:
         seed: int | None = None,
         num_threads: int | None = None,
         quantization: str | None = None,
+        record_cache: Path | None = None,
     ) -> None:
+        """`record_cache`: where quantization evaluation records are kept across restarts (None:
+        measure on every load)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_threads:
@@ -92,8 +101,6 @@ class ModelRunner:
             device = "cpu"  # the int8 kernels are CPU-only: choose the CPU rather than fail on a GPU host
         self.quantization = check_quantization(quantization, pick_device(device))  # before a long load
         loaded = load_model(source, device, dtype, attn_implementation=ATTN_IMPLEMENTATION, progress=report)
-        quantize_linears(loaded.model, self.quantization, loaded.device,
-                         loaded.tokenizer(CALIBRATION_TEXT)["input_ids"])
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
@@ -126,6 +133,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.draft_proposer = draft_proposer
         self.last_step = StepTiming()
+        self.quantization_record = self._quantize(loaded.source, record_cache, report)
         if warmup:
             self._warmup(report)
 
@@ -137,14 +145,35 @@ class ModelRunner:
                 ids.append(int(v))
         return ids
 
+    def _quantize(self, source: Any, record_cache: Path | None,
+                  report: Callable[[str, float], None]) -> QuantizationRecord | None:
+        """Quantize the loaded model in place and return its evaluation record: from the cache, or
+        measured now against this same model before quantizing (quant_eval.py). On the CPU the KV
+        pool is sized without the weights, so building it first changes nothing."""
+        if self.quantization == "none":
+            return None
+        key = quant_eval.record_key(source.name, source.revision, self.quantization, self.dtype)
+        record = quant_eval.load_cached(record_cache, key)
+        started = time.perf_counter()
+        reference = None
+        if record is None:
+            report("evaluating_quantization", 0.0)
+            reference = quant_eval.measure(self)
+            report("evaluating_quantization", 0.5)
+        quantize_linears(self.model, self.quantization, self.device, self.tokenizer(CALIBRATION_TEXT)["input_ids"])
+        if reference is not None:
+            record = quant_eval.make_record(self, reference, quant_eval.measure(self), self.quantization, started)
+            quant_eval.save_cached(record_cache, key, record)
+            report("evaluating_quantization", 1.0)
+        return record
+
     def _warmup(self, report: Callable[[str, float], None]) -> None:
         """Run a prefill and a decode through block 0 so first-request latency excludes lazy init.
         The garbage K/V left in block 0 is harmless: a sequence writes each slot before reading it."""
         report("warming_up", 0.0)
-        greedy = SamplingParams(max_tokens=1, temperature=0.0)
         n = min(8, self.block_size * self.num_blocks - 1)
-        self.execute(StepPlan(-1, [ScheduledSeq("warmup", [1] * n, 0, [0], True, greedy)]))
-        self.execute(StepPlan(-2, [ScheduledSeq("warmup", [1], n, [0], True, greedy)]))
+        self.execute(StepPlan(-1, [ScheduledSeq("warmup", [1] * n, 0, [0], True, _GREEDY)]))
+        self.execute(StepPlan(-2, [ScheduledSeq("warmup", [1], n, [0], True, _GREEDY)]))
         report("warming_up", 1.0)
 
     # -- validation -------------------------------------------------------------------------------
@@ -202,21 +231,27 @@ class ModelRunner:
         self.last_step = timing
         return out
 
-    def _run(self, work: list[_Work], out: RunnerOutput, timing: StepTiming) -> None:
-        t0 = time.perf_counter()
-        ids = np.fromiter((t for w in work for t in w.tokens), dtype=np.int64, count=timing.num_tokens)
+    def _prepare(self, work: list[_Work], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        ids = np.fromiter((t for w in work for t in w.tokens), dtype=np.int64, count=num_tokens)
         pos = np.concatenate([np.arange(w.seq.start_position, w.seq.start_position + len(w.tokens)) for w in work])
         slices = [SeqSlice(w.offset, len(w.tokens), w.seq.start_position, w.seq.block_table) for w in work]
         batch = build_paged_batch(slices, self.block_size, self.kv.k_layers, self.kv.v_layers, self.device)
-        input_ids = torch.from_numpy(ids).to(self.device)[None]
-        position_ids = torch.from_numpy(pos).to(self.device)[None]
+        return torch.from_numpy(ids).to(self.device)[None], torch.from_numpy(pos).to(self.device)[None], batch
+
+    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: Any) -> torch.Tensor:
+        """The decoder's last hidden state for every row of the flattened step ([T, hidden])."""
+        return self.model.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, magnitude_batch=batch
+        ).last_hidden_state[0]
+
+    def _run(self, work: list[_Work], out: RunnerOutput, timing: StepTiming) -> None:
+        t0 = time.perf_counter()
+        input_ids, position_ids, batch = self._prepare(work, timing.num_tokens)
         timing.num_decode = sum(1 for w in work if len(w.seq.token_ids) == 1)
         timing.num_prefill_tokens = sum(len(w.seq.token_ids) for w in work if len(w.seq.token_ids) > 1)
         t1 = time.perf_counter()
 
-        hidden = self.model.model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, magnitude_batch=batch
-        ).last_hidden_state[0]
+        hidden = self._hidden(input_ids, position_ids, batch)
         # Rows that produce a token: the last real token, plus one per draft for verification.
         samplers = [w for w in work if w.seq.sample]
         rows: list[int] = []
@@ -270,6 +305,54 @@ class ModelRunner:
                 out.failed[w.seq.request_id] = f"sampling failed: {exc}"
                 tokens.append(None)
         return tokens
+
+    # -- one sequence at a time over the pool, before serving (the quantization evaluation) -------
+
+    def _blocks_for(self, n: int) -> list[int]:
+        need = -(-n // self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"{n} tokens need {need} KV blocks; the pool has {self.num_blocks}")
+        return list(range(need))
+
+    @torch.inference_mode()
+    def score_tokens(self, ids: list[int], chunk: int) -> torch.Tensor:
+        """Log-probabilities [len(ids), vocab] (float32, CPU) at every position, computed as the
+        serving path computes a prompt: prefill chunks of `chunk` tokens that attend to the earlier
+        ones through the KV pool. Uses the pool's first blocks: call only while nothing is served."""
+        table = self._blocks_for(len(ids))
+        rows = []
+        for start in range(0, len(ids), chunk):
+            seq = ScheduledSeq("score", ids[start : start + chunk], start, table, False, _GREEDY)
+            hidden = self._hidden(*self._prepare([_Work(seq)], len(seq.token_ids)))
+            rows.append(torch.log_softmax(self.model.lm_head(hidden).float(), -1).cpu())
+        return torch.cat(rows)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """Greedy continuations of `prompts`, served together through `execute` (one prefill step,
+        then decode steps), each stopping at an EOS. Uses the pool's first blocks: call only while
+        nothing is served."""
+        tables, first = [], 0
+        for ids in prompts:
+            n = len(self._blocks_for(len(ids) + max_new))
+            tables.append(list(range(first, first + n)))
+            first += n
+        self._blocks_for(first * self.block_size)  # the whole batch must fit the pool
+        outs: list[list[int]] = [[] for _ in prompts]
+        seqs = {str(i): ScheduledSeq(str(i), list(ids), 0, tables[i], True, _GREEDY) for i, ids in enumerate(prompts)}
+        while seqs:
+            result = self.execute(StepPlan(-3, list(seqs.values())))
+            if result.failed:
+                raise RuntimeError(f"greedy generation failed: {result.failed}")
+            for rid, seq in list(seqs.items()):
+                i, tok = int(rid), result.sampled[rid][0].token_id
+                outs[i].append(tok)
+                if tok in self.eos_token_ids or len(outs[i]) >= max_new:
+                    del seqs[rid]
+                else:
+                    seqs[rid] = ScheduledSeq(rid, [tok], len(prompts[i]) + len(outs[i]) - 1, tables[i], True, _GREEDY,
+                                             num_output_tokens=len(outs[i]))
+        return outs
 
     # -- conveniences -----------------------------------------------------------------------------
 
