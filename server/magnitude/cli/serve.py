@@ -46,8 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: automatic)")
     p.add_argument("--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="int8: W8A8 decoder linears and LM head, SmoothQuant-calibrated (CPU only; "
-                   "embeddings, norms, attention and the KV cache keep --dtype)")
+                   help="CPU weight formats for the decoder linears and LM head: w8a16 = int8 weights, activations in "
+                   "--dtype (weight-only); w8a8 = int8 weights and activations, SmoothQuant-calibrated (int8 is its "
+                   "earlier name). Embeddings, norms, attention and the KV cache keep --dtype. Before serving, the "
+                   "engine evaluates the quantized model against the unquantized one and refuses to serve it below "
+                   "the config's quantizationEvaluation thresholds (/readyz phase quantization_rejected)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -88,12 +91,14 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
 
     def load_real(progress: Any) -> Any:
         from magnitude.runner import ModelRunner
+        from magnitude.runner.loading import cache_root
 
         return ModelRunner(
             source=args.model,
             device=args.device,
             dtype=args.dtype,
             quantization=args.quantization,
+            record_cache=cache_root() / "quantization-records",
             block_size=config.kv_cache.block_size,
             num_blocks=config.kv_cache.num_blocks,
             num_swap_blocks=config.kv_cache.swap_blocks,

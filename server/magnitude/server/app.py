@@ -153,11 +153,14 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        # The quantization record rides along both ways: the operator reads it from not-ready pods.
+        record = {"quantization": engine.quantization} if engine.quantization is not None else {}
         if engine.ready:
-            return JSONResponse({"status": "ready", "model": engine.model_name, "load_seconds": engine.load_seconds})
+            return JSONResponse({"status": "ready", "model": engine.model_name, "load_seconds": engine.load_seconds,
+                                 **record})
         phase, message = engine.not_ready_reason()
         return JSONResponse(
-            {"status": "not_ready", "phase": phase, "progress": engine.phase_progress, "message": message},
+            {"status": "not_ready", "phase": phase, "progress": engine.phase_progress, "message": message, **record},
             status_code=503,
             headers={"Retry-After": str(int(NOT_READY_RETRY_S))},
         )
@@ -200,8 +203,10 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
     # -- OpenAI -------------------------------------------------------------------------------------
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models() -> dict[str, Any]:
+        record = {"quantization": engine.quantization} if engine.quantization is not None else {}
         data = [
-            {"id": n, "object": "model", "created": 0, "owned_by": "magnitude", "max_model_len": engine.max_model_len or None}
+            {"id": n, "object": "model", "created": 0, "owned_by": "magnitude", "max_model_len": engine.max_model_len or None,
+             **record}
             for n in model_names()
         ]
         return {"object": "list", "data": data}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from magnitude.engine.output import RunnerOutput, StepPlan
+from magnitude.engine.quantization import judge, summary
 from magnitude.engine.sampling import SamplingParams
 from magnitude.policy.schema import EngineConfig
 from magnitude.server.body_limit import context_body_bytes
@@ -200,6 +201,7 @@ class AsyncEngine:
         self.loop: EngineLoop | None = None
         self.model_name = ""
         self.max_model_len = 0
+        self.quantization: dict[str, Any] | None = None  # the evaluation record's summary, for quantized weights
         self.max_prompt_chars = 0  # longer prompts cannot fit the context: refused before tokenizing
         self.max_body_bytes: int | None = None  # what a request that fits the context can need
         self.stopping = False
@@ -230,6 +232,8 @@ class AsyncEngine:
 
             self.runner = runner
             self.model_name = runner.model_name
+            if not self._accept_quantization(runner):
+                return
             self.max_model_len = min(runner.max_model_len, self.config.admission.max_model_len or runner.max_model_len)
             self.renderer = PromptRenderer(runner.tokenizer)
             self.max_prompt_chars = self.renderer.max_prompt_chars(self.max_model_len)
@@ -259,6 +263,28 @@ class AsyncEngine:
         finally:
             self._ready_event.set()
 
+    def _accept_quantization(self, runner: Runner) -> bool:
+        """Judge the runner's quantization evaluation record (if its weights are quantized) against
+        the config's thresholds; False leaves the engine in phase `quantization_rejected`."""
+        record = getattr(runner, "quantization_record", None)
+        if record is None:
+            return True
+        verdict = judge(record, self.config.quantization_evaluation)
+        self.quantization = summary(record, verdict)
+        self.metrics.set_quantization_record(self.model_name, self.quantization)
+        figures = (f"{record.method}: top-1 agreement {record.top1_agreement:.3f}, mean KL {record.mean_kl:.4f}, "
+                   f"probes {record.probes_passed}/{record.probes_total} on {record.isa}")
+        if verdict.passed:
+            log.info("quantization evaluation passed: %s", figures)
+            return True
+        if verdict.serve:
+            log.warning("quantization evaluation failed (%s) but quantizationEvaluation.enforce is false: serving %s",
+                        "; ".join(verdict.failures), figures)
+            return True
+        log.error("quantization evaluation failed (%s): not serving %s", "; ".join(verdict.failures), figures)
+        self.phase, self.phase_progress = "quantization_rejected", 1.0
+        return False
+
     @property
     def ready(self) -> bool:
         return self.phase == "ready" and self.loop is not None and self.loop.running and not self.stopping
@@ -287,6 +313,9 @@ class AsyncEngine:
             return "dead", self.dead
         if self.stopping:
             return "shutting_down", "server is shutting down"
+        if self.phase == "quantization_rejected" and self.quantization is not None:
+            return self.phase, ("the quantized weights failed their evaluation record: " + "; ".join(
+                self.quantization["failures"]) + " (set quantizationEvaluation.enforce: false to serve anyway)")
         if self.phase == "failed":
             return "failed", "model loading failed; the server log has the cause"  # logged when it failed
         return self.phase, f"model is loading (phase {self.phase}, {self.phase_progress:.0%})"

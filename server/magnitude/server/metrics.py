@@ -76,6 +76,13 @@ class EngineMetrics:
         self.model_load_seconds = g("model_load_seconds", "Seconds the model took to load at startup.")
         self.model_info = g("model_info", "1 for the loaded model; labels say what it is and how it runs.",
                             ("model", "device", "dtype", "quantization"))
+        q = ("model", "method")
+        self.quantization_top1_agreement = g(
+            "quantization_top1_agreement", "Quantized weights' top-1 agreement with the unquantized model (0..1).", q)
+        self.quantization_mean_kl = g(
+            "quantization_mean_kl", "Quantized weights' mean KL divergence from the unquantized model (nats/token).", q)
+        self.quantization_passed = g(
+            "quantization_passed", "1 when the quantization evaluation record met its thresholds, else 0.", q)
 
         lat = ("priority_class", "tenant")
         h = lambda name, doc, buckets, labels=lat: Histogram(  # noqa: E731
@@ -161,6 +168,12 @@ class EngineMetrics:
     # -- state ------------------------------------------------------------------------------
     def set_model_info(self, model: str, device: str, dtype: str, quantization: str) -> None:
         self.model_info.labels(model, device, dtype, quantization).set(1)
+
+    def set_quantization_record(self, model: str, summary: dict) -> None:
+        labels = (model, summary["method"])
+        self.quantization_top1_agreement.labels(*labels).set(summary["top1_agreement"])
+        self.quantization_mean_kl.labels(*labels).set(summary["mean_kl"])
+        self.quantization_passed.labels(*labels).set(1 if summary["passed"] else 0)
 
     def set_shedding(self, shed_classes: Iterable[str]) -> None:
         shed = set(shed_classes)
