@@ -1,37 +1,62 @@
-"""Int8 weights (W8A8 with SmoothQuant calibration, `runner/quantize.py`).
+"""Int8 weights: w8a8 (int8 activations, SmoothQuant) and w8a16 (weight-only), `runner/quantize.py`.
 
-The paged runner must reproduce the model it runs: greedy output equals stock `generate` on a
-separately loaded copy quantized by the same function and calibration text (so quantization is
-deterministic and the runner adds no error of its own), through batching, chunking, recompute and
-swap. A quality check bounds how far int8 strays from fp32, and a unit test shows what the
-smoothing is for (an outlier input channel).
+The paged runner must add no error of its own to the model it runs. For w8a8 that cannot be asked
+token for token: per-token activation rounding turns the last-bit differences of fp32 attention
+(which change with the batch's shape and with the CPU's kernels) into whole quantization steps, so
+greedy output flips at near-ties. Measured on an AVX2 EPYC: the same quantized model alone and
+batched differs by up to 0.31 nats in a chosen token's log-probability (0.54 with
+ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41), and two of the six prompts flipped where
+the top two logits were 0.013 and 0.0003 apart; run alone, every prompt matched `generate`
+exactly. So these tests bound the deviation per token, teacher-forced: a separately loaded copy
+quantized by the same function scores prompt + the runner's own output, and every token the
+runner chose must be within TIE_GAP of that reference's best logit, its log-probability within
+LOGPROB_TOL of the reference's. That holds on AVX2, AVX-512 and AMX alike and still fails on a
+broken kernel (`test_the_criterion_catches_a_broken_batched_kernel`). Tests print the ISA.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from .conftest import BLOCK_SIZE, DEVICE, MAX_NEW, MODEL, NUM_BLOCKS, NUM_SWAP_BLOCKS, PROMPTS, Preempt, ToyDriver, \
-    ToySeq, _cut_at_eos, greedy
+    ToySeq
 
 torch = pytest.importorskip("torch")
 
-from magnitude.runner.quantize import CALIBRATION_TEXT, Int8Linear, QuantizationError, quantize_linears  # noqa: E402
+from magnitude.engine.sampling import SamplingParams  # noqa: E402
+from magnitude.runner.quant_eval import agreement_and_kl, isa_description  # noqa: E402
+from magnitude.runner.quantize import CALIBRATION_TEXT, Int8Linear, QuantizationError, WeightOnlyInt8Linear, \
+    quantize_linears  # noqa: E402
 
 pytestmark = [pytest.mark.model, pytest.mark.skipif(DEVICE != "cpu", reason="int8 weights are CPU-only")]
 
+# Per method: (largest gap from the reference's best logit to the chosen token's, largest
+# |log-probability difference| of a chosen token). w8a8: about 3x the worst seen under a forced
+# lower ISA (0.198 / 0.539). w8a16 has no activation rounding: its noise is fp32's.
+BOUNDS = {"w8a8": (0.6, 1.5), "w8a16": (0.05, 0.05)}
+PREEMPT = [Preempt(4, "r5", "swap", resume_after=2), Preempt(7, "r4", "recompute")]
+
+
+@pytest.fixture(scope="module", params=["w8a8", "w8a16"])
+def method(request) -> str:
+    return request.param
+
 
 @pytest.fixture(scope="module")
-def int8_runner(runner):
+def quantized_runner(runner, method):
     from magnitude.runner import ModelRunner
 
-    # After `runner`, which sets the tests' thread count for the process.
-    return ModelRunner(MODEL, device=DEVICE, dtype="float32", quantization="int8", block_size=BLOCK_SIZE,
-                       num_blocks=NUM_BLOCKS, num_swap_blocks=NUM_SWAP_BLOCKS, seed=0)
+    # After `runner`, which sets the tests' thread count for the process. The evaluation record has
+    # tests of its own (tests/server/test_quantization_record.py).
+    return ModelRunner(MODEL, device=DEVICE, dtype="float32", quantization=method, block_size=BLOCK_SIZE,
+                       num_blocks=NUM_BLOCKS, num_swap_blocks=NUM_SWAP_BLOCKS, seed=0, evaluate_quantization=False)
 
 
 @pytest.fixture(scope="module")
-def int8_reference(int8_runner, prompt_ids) -> list[list[int]]:
+def reference(quantized_runner, method):
+    """Stock transformers (SDPA, no paged attention) on a separately loaded copy, quantized alike."""
     from transformers import AutoModelForCausalLM
 
     from magnitude.runner.loading import cache_dir_for, resolve_source
@@ -39,42 +64,100 @@ def int8_reference(int8_runner, prompt_ids) -> list[list[int]]:
     src = resolve_source(MODEL)
     model_dir = cache_dir_for(src, torch.float32) if src.kind == "gguf" else src.path
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    calibration = int8_runner.tokenizer(CALIBRATION_TEXT)["input_ids"]
-    assert quantize_linears(model, "int8", torch.device("cpu"), calibration) == 30 * 7 + 1
-    eos = int8_runner.eos_token_ids
-    with torch.inference_mode():
-        return [_cut_at_eos(model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                                           eos_token_id=eos, pad_token_id=eos[0])[0, len(ids):].tolist(), eos)
-                for ids in prompt_ids]
+    calibration = quantized_runner.tokenizer(CALIBRATION_TEXT)["input_ids"]
+    assert quantize_linears(model, method, torch.device("cpu"), calibration) == 30 * 7 + 1
+    print(f"\n{method} on {isa_description()}, torch {torch.__version__}")
+    return model
 
 
-def _run(int8_runner, prompt_ids, chunk=None, preempt=()) -> list[list[int]]:
-    seqs = [ToySeq(f"r{i}", ids, greedy()) for i, ids in enumerate(prompt_ids)]
-    driver = ToyDriver(int8_runner, chunk)
-    driver.run(seqs, MAX_NEW, list(preempt))
+@dataclass
+class Deviation:
+    worst_gap: float = 0.0
+    worst_logprob: float = 0.0
+    non_argmax: int = 0
+    tokens: int = 0
+
+
+def deviation(reference, seqs: list[ToySeq]) -> Deviation:
+    """Teacher-forced: the reference scores each prompt + the runner's output in one forward."""
+    d = Deviation()
+    for s in seqs:
+        with torch.inference_mode():
+            lp = torch.log_softmax(reference(input_ids=torch.tensor([s.prompt + s.out]), use_cache=False)
+                                   .logits[0].float(), -1)
+        for j, (tok, sampled) in enumerate(zip(s.out, s.logprobs)):
+            row = lp[len(s.prompt) - 1 + j]
+            gap = (row.max() - row[tok]).item()
+            d.worst_gap = max(d.worst_gap, gap)
+            d.worst_logprob = max(d.worst_logprob, abs(row[tok].item() - sampled.logprob))
+            d.non_argmax += gap > 0
+            d.tokens += 1
+    return d
+
+
+def _run(runner, prompt_ids, chunk=None, preempt=(), max_new=MAX_NEW) -> list[ToySeq]:
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, logprobs=0)
+    seqs = [ToySeq(f"r{i}", ids, params) for i, ids in enumerate(prompt_ids)]
+    driver = ToyDriver(runner, chunk)
+    driver.run(seqs, max_new, list(preempt))
     assert driver.all_free(), "blocks leaked"
-    return [s.out for s in seqs]
+    return seqs
 
 
-def test_int8_runner_equals_generate_on_the_same_quantized_model(int8_runner, prompt_ids, int8_reference):
-    assert _run(int8_runner, prompt_ids) == int8_reference
+@pytest.mark.parametrize("chunk,preempt", [(None, ()), (16, PREEMPT)], ids=["batched", "chunks-swap-recompute"])
+def test_runner_follows_the_same_quantized_model_token_by_token(quantized_runner, reference, method, prompt_ids,
+                                                                 chunk, preempt):
+    d = deviation(reference, _run(quantized_runner, prompt_ids, chunk, preempt))
+    print(f"{method} {chunk=}: worst gap {d.worst_gap:.4f}, worst |dlogprob| {d.worst_logprob:.4f}, "
+          f"non-argmax picks {d.non_argmax}/{d.tokens} on {isa_description()}")
+    max_gap, max_logprob = BOUNDS[method]
+    assert d.worst_gap <= max_gap and d.worst_logprob <= max_logprob, d
 
 
-def test_int8_runner_equals_generate_under_chunks_recompute_and_swap(int8_runner, prompt_ids, int8_reference):
-    preempt = [Preempt(4, "r5", "swap", resume_after=2), Preempt(7, "r4", "recompute")]
-    assert _run(int8_runner, prompt_ids, chunk=16, preempt=preempt) == int8_reference
+def test_the_criterion_catches_a_broken_batched_kernel(quantized_runner, reference, method, prompt_ids, monkeypatch):
+    """A kernel that drops the last 32 output columns of multi-row products: plausible tail
+    handling bug, invisible to a one-row reference, and what these bounds are for."""
+    name = "_int_mm" if method == "w8a8" else "_weight_int8pack_mm"
+    real = getattr(torch, name)
+
+    def broken(x, *args):
+        out = real(x, *args)
+        if x.shape[0] > 1:
+            out = out.clone()
+            out[:, -32:] = 0
+        return out
+
+    monkeypatch.setattr(torch, name, broken)
+    d = deviation(reference, _run(quantized_runner, prompt_ids[:3], max_new=4))
+    max_gap, max_logprob = BOUNDS[method]
+    assert d.worst_gap > max_gap or d.worst_logprob > max_logprob, d
 
 
-def test_int8_stays_close_to_fp32(runner, int8_runner):
-    # Teacher-forced over text the calibration never saw. `bench/int8_quality.py` measures 0.937 /
-    # 0.021 on a slightly longer text; without the smoothing KL is about 0.04 and this fails.
-    ids = torch.tensor([runner.tokenizer(" ".join(PROMPTS))["input_ids"]])
-    with torch.inference_mode():
-        ref = torch.log_softmax(runner.model(input_ids=ids, use_cache=False).logits[0].float(), -1)
-        got = torch.log_softmax(int8_runner.model(input_ids=ids, use_cache=False).logits[0].float(), -1)
-    agreement = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
-    assert agreement >= 0.90 and kl <= 0.03, (agreement, kl)
+def test_quantized_weights_stay_close_to_fp32_through_the_paged_runner(runner, quantized_runner, method):
+    # Teacher-forced over text the calibration never saw, through chunked prefill over the pool as
+    # served. The evaluation record measures the same on its own text (quant_eval.EVAL_TEXT).
+    ids = runner.tokenizer(" ".join(PROMPTS))["input_ids"]
+    agreement, kl = agreement_and_kl(runner.score_tokens(ids, 32), quantized_runner.score_tokens(ids, 32))
+    print(f"\n{method} vs fp32: top-1 agreement {agreement:.3f}, mean KL {kl:.4f} on {isa_description()}")
+    least, most = {"w8a8": (0.88, 0.04), "w8a16": (0.93, 0.01)}[method]
+    assert agreement >= least and kl <= most, (agreement, kl)
+
+
+@pytest.mark.parametrize("m", [1, 6, 33])
+@pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (2500, 64)])
+def test_both_int8_kernels_give_the_exact_integer_product(m, k, n):
+    """w8a8 multiplies through torch._int_mm or float32 BLAS, whichever is faster here: they must
+    agree with an int64 matmul bit for bit, extremes included (K=2500 spans three fp32 slices)."""
+    from magnitude.runner.quantize import _fp32_chunks, int8_matmul_fp32
+
+    g = torch.Generator().manual_seed(m * k + n)
+    x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=g)
+    x[0, :] = 127
+    w[:, 0] = 127  # the largest possible sum, k * 127 * 127, lands in out[0, 0]
+    exact = x.long() @ w.long()
+    assert torch.equal(int8_matmul_fp32(x, _fp32_chunks(w)).long(), exact)
+    assert torch.equal(torch._int_mm(x, w.contiguous()).long(), exact), f"torch._int_mm on {isa_description()}"
 
 
 def test_int8_linear_smoothing_tames_an_outlier_channel():
@@ -93,16 +176,39 @@ def test_int8_linear_smoothing_tames_an_outlier_channel():
     assert smoothed(x[None]).shape == (1, 16, 32)  # leading dims kept, as transformers passes [1, T, C]
 
 
-def test_bad_quantization_is_refused_by_name_and_device(int8_runner):
-    model = int8_runner.model
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_linear_is_its_dequantized_matmul(dtype):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 40, bias=True).to(dtype)
+    q = WeightOnlyInt8Linear(lin)
+    x = torch.randn(2, 5, 96).to(dtype)
+    dequantized = q.qweight.float() * q.weight_scale.float()[:, None]
+    expected = x.float() @ dequantized.t() + lin.bias.float()
+    got = q(x)
+    assert got.dtype == dtype and got.shape == (2, 5, 40)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(got.float(), expected, atol=tol, rtol=tol)
+    # and int8 per-channel weights stay close to the original linear
+    assert ((got.float() - lin(x).float()).norm() / lin(x).float().norm()).item() < 0.02
+
+
+def test_bad_quantization_is_refused_by_name_and_device(quantized_runner):
+    model = quantized_runner.model
     before = {name: b.clone() for name, b in model.named_buffers()}
-    with pytest.raises(QuantizationError, match="expected one of none, int8"):
+    with pytest.raises(QuantizationError, match="'int4': expected one of none, w8a8, w8a16, int8"):
         quantize_linears(model, "int4", torch.device("cpu"))
     with pytest.raises(QuantizationError, match="CPU only"):
-        quantize_linears(model, "int8", torch.device("cuda"))
+        quantize_linears(model, "w8a16", torch.device("cuda"))
     assert quantize_linears(model, "none", torch.device("cpu")) == 0
     after = dict(model.named_buffers())
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_int8_is_the_earlier_name_of_w8a8():
+    from magnitude.runner.quantize import check_quantization
+
+    assert check_quantization("int8", torch.device("cpu")) == "w8a8"
+    assert check_quantization(None, torch.device("cpu")) == "none"
 
 
 def test_the_runner_checks_the_quantization_before_loading_anything():

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from magnitude.engine.quantization import ProbeResult, QuantizationRecord
+from magnitude.runner.quantize import int8_kernel
 
 if TYPE_CHECKING:
     from magnitude.runner.runner import ModelRunner
@@ -161,6 +162,7 @@ def make_record(runner: "ModelRunner", ref: Measurement, got: Measurement, metho
         method=method, dtype=str(runner.dtype).removeprefix("torch."), top1_agreement=agree, mean_kl=kl,
         eval_tokens=int(ref.log_probs.shape[0]), probes=probes, eval_set_hash=EVAL_SET_HASH, isa=isa_description(),
         torch_version=torch.__version__, seconds=time.perf_counter() - started,
+        extra={"int8_kernel": int8_kernel()} if method == "w8a8" else {},
     )
 
 

@@ -12,8 +12,9 @@ before the engine serves it.
 `quantize_linears(model, "w8a8", device, calibration_ids)` swaps every `nn.Linear` inside the
 decoder layers (q/k/v/o and the MLP's gate/up/down) and the LM head for an `Int8Linear`: weights
 int8 with one symmetric scale per output channel, activations quantized per token at run time,
-products in `torch._int_mm` (int8 x int8 -> int32, AVX-512 VNNI on this kind of CPU; 3-4x an fp32
-matmul at 8-128 rows). Embeddings, norms and attention stay in the model's dtype (the runner's
+products in `torch._int_mm` (int8 x int8 -> int32; 3-4x an fp32 matmul at 8-128 rows with AVX-512
+VNNI), or, where that kernel is a slow reference loop (AVX2-only CPUs), exactly the same integers
+through float32 BLAS (`int8_kernel`). Embeddings, norms and attention stay in the model's dtype (the runner's
 CPU KV cache is fp32 either way). The LM head is included because it is memory-bound: 12 rows
 through the fp32 49k x 576 head took 18 ms a step, int8 3.3 ms (`bench/step_profile.py`), for a
 mean KL to fp32 of 0.021 instead of 0.016 with the head in fp32 (`bench/int8_quality.py`).
@@ -42,6 +43,9 @@ The model classes stay transformers' own: only leaf modules are replaced, so the
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 from torch import nn
 
@@ -63,6 +67,60 @@ CALIBRATION_TEXT = (
 
 class QuantizationError(ValueError):
     """A quantization this runner cannot apply (unknown name, unsupported device)."""
+
+
+# An int8 x int8 product summed over at most this many terms stays below 2^24 (1024 * 127 * 127),
+# so float32 holds every partial sum exactly: a float32 matmul over such a slice of K is an exact
+# integer matmul, whatever order the BLAS adds in.
+_EXACT_FP32_K = 1024
+INT8_KERNEL_ENV = "MAGNITUDE_INT8_KERNEL"
+_int8_kernel: str | None = None
+
+
+def int8_kernel() -> str:
+    """How w8a8 multiplies: "int_mm" (torch._int_mm) or "fp32" (exact integer products through
+    float32 BLAS over K slices of at most 1,024). Both give the same int32 results bit for bit;
+    only speed differs, so the choice is measured once per process, on the model's most common
+    shape: on CPUs without VNNI or AMX, torch._int_mm runs a reference loop (measured on an AVX2
+    EPYC: 26.7 ms for 6 x 576 x 1536 against 2.2 ms in fp32, 2 s for the LM head at 6 rows).
+    `MAGNITUDE_INT8_KERNEL=int_mm|fp32` forces one (tests compare them)."""
+    global _int8_kernel
+    forced = os.environ.get(INT8_KERNEL_ENV)
+    if forced:
+        if forced not in ("int_mm", "fp32"):
+            raise QuantizationError(f"{INT8_KERNEL_ENV}={forced!r}: expected int_mm or fp32")
+        return forced
+    if _int8_kernel is None:
+        x = torch.randint(-127, 128, (16, 576), dtype=torch.int8)
+        w = torch.randint(-127, 128, (576, 1536), dtype=torch.int8)
+        chunks = _fp32_chunks(w)
+        timings = {}
+        for name, fn in (("int_mm", lambda: torch._int_mm(x, w)), ("fp32", lambda: int8_matmul_fp32(x, chunks))):
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                fn()
+            timings[name] = time.perf_counter() - t0
+        _int8_kernel = min(timings, key=timings.get)
+    return _int8_kernel
+
+
+def _fp32_chunks(w: torch.Tensor) -> list[torch.Tensor]:
+    """An int8 [K, N] right operand as float32 slices of at most _EXACT_FP32_K rows."""
+    return [w[k : k + _EXACT_FP32_K].float() for k in range(0, w.shape[0], _EXACT_FP32_K)]
+
+
+def int8_matmul_fp32(x: torch.Tensor, w_chunks: list[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] int8 @ w [K, N] (as `_fp32_chunks`) -> int32, exactly: each slice's float32 sums
+    are integers below 2^24; slices are added in int32."""
+    out: torch.Tensor | None = None
+    k = 0
+    for chunk in w_chunks:
+        part = (x[:, k : k + chunk.shape[0]].float() @ chunk).to(torch.int32)
+        out = part if out is None else out.add_(part)
+        k += chunk.shape[0]
+    assert out is not None
+    return out
 
 
 class Int8Linear(nn.Module):
@@ -89,6 +147,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        # float32 copies of the int8 weights, only where the fp32 kernel is the faster exact one
+        self._fp32_chunks = _fp32_chunks(self.qweight_t) if int8_kernel() == "fp32" else None
+
+    def _int_mm(self, xq: torch.Tensor) -> torch.Tensor:
+        if self._fp32_chunks is not None:
+            return int8_matmul_fp32(xq, self._fp32_chunks)
+        return torch._int_mm(xq, self.qweight_t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -97,7 +162,7 @@ class Int8Linear(nn.Module):
             x2 = x2 * self.input_inv_smooth
         row_max = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
         xq = (x2 * (_QMAX / row_max)).round_().to(torch.int8)
-        y = torch._int_mm(xq, self.qweight_t).float()
+        y = self._int_mm(xq).float()
         y.mul_(row_max * (1.0 / _QMAX)).mul_(self.weight_scale)
         if self.bias is not None:
             y.add_(self.bias)

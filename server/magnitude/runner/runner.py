@@ -87,9 +87,11 @@ class ModelRunner:
         num_threads: int | None = None,
         quantization: str | None = None,
         record_cache: Path | None = None,
+        evaluate_quantization: bool = True,
     ) -> None:
         """`record_cache`: where quantization evaluation records are kept across restarts (None:
-        measure on every load)."""
+        measure on every load). `evaluate_quantization=False` skips the evaluation (tests of the
+        runner's numerics); `quantization_record` is then None."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_threads:
@@ -133,7 +135,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.draft_proposer = draft_proposer
         self.last_step = StepTiming()
-        self.quantization_record = self._quantize(loaded.source, record_cache, report)
+        self.quantization_record = self._quantize(loaded.source, record_cache if evaluate_quantization else None,
+                                                  report, evaluate_quantization)
         if warmup:
             self._warmup(report)
 
@@ -145,8 +148,8 @@ class ModelRunner:
                 ids.append(int(v))
         return ids
 
-    def _quantize(self, source: Any, record_cache: Path | None,
-                  report: Callable[[str, float], None]) -> QuantizationRecord | None:
+    def _quantize(self, source: Any, record_cache: Path | None, report: Callable[[str, float], None],
+                  evaluate: bool) -> QuantizationRecord | None:
         """Quantize the loaded model in place and return its evaluation record: from the cache, or
         measured now against this same model before quantizing (quant_eval.py). On the CPU the KV
         pool is sized without the weights, so building it first changes nothing."""
@@ -156,7 +159,7 @@ class ModelRunner:
         record = quant_eval.load_cached(record_cache, key)
         started = time.perf_counter()
         reference = None
-        if record is None:
+        if record is None and evaluate:
             report("evaluating_quantization", 0.0)
             reference = quant_eval.measure(self)
             report("evaluating_quantization", 0.5)
