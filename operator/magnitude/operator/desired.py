@@ -26,8 +26,6 @@ from magnitude.operator.spec import API_VERSION, KIND, ModelServiceSpec, ModelSe
 # Endpoints take a moment to drop a terminating pod; keep serving through that gap before SIGTERM.
 PRESTOP_SLEEP_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
-# How `magnitude serve` is told each quantization (the name also travels as MAGNITUDE_QUANTIZATION).
-QUANTIZATION_ARGS: dict[str, list[str]] = {"bf16": ["--dtype", "bfloat16"], "int8": ["--quantization", "int8"]}
 # Where the engine (and the libraries under it) write, all inside the writable volumes: the
 # converted-model cache, Hugging Face downloads, any other library cache, and temp files.
 WRITABLE_ENV: dict[str, str] = {
@@ -152,6 +150,14 @@ def _resources(spec: ModelServiceSpec) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
+def weight_args(spec: ModelServiceSpec) -> list[str]:
+    """How `magnitude serve` is told the weights: the method as named in the spec (the engine knows
+    `int8` as w8a8's alias), and the dtype only when set, so `auto` stays the engine's choice
+    (float32 on CPU, bfloat16 on GPU). The method also travels as MAGNITUDE_QUANTIZATION."""
+    args = ["--quantization", spec.quantization] if spec.quantization != "none" else []
+    return args + (["--dtype", spec.dtype] if spec.dtype != "auto" else [])
+
+
 def _probe(path: str, period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": n.ENGINE_PORT_NAME},
@@ -175,7 +181,7 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
         "--host", "0.0.0.0",
         "--port", str(n.ENGINE_PORT),
         "--shutdown-grace", str(spec.drain_seconds),
-        *QUANTIZATION_ARGS.get(spec.quantization, []),
+        *weight_args(spec),
         *spec.extra_args,
     ]
     container = {

@@ -1,7 +1,7 @@
 """Content hashes that decide when engine pods must be replaced.
 
-`service_version` (DESIGN §3) hashes model + quantization + scheduler policy (+ draft model):
-what changes the answers or the scheduling contract. It is stamped on pods and announced on change.
+`service_version` (DESIGN §3) hashes model + quantization + dtype + scheduler policy (+ draft
+model): what changes the answers or the scheduling contract. It is stamped on pods and announced on change.
 `config_hash` covers the whole engine document, so a KV-cache or admission edit also rolls the
 pods (the engine reads its config once, at start) without claiming a new service version.
 Pure: hashlib and json only.
@@ -31,6 +31,8 @@ def service_version(spec: ModelServiceSpec) -> str:
             "quantization": spec.quantization,
             "draftModel": spec.draft_model.to_document() if spec.draft_model else None,
             "scheduler": spec.scheduler.to_document(),
+            # Only when set: `auto` hashes as before the field existed, so an upgrade rolls nothing.
+            **({"dtype": spec.dtype} if spec.dtype != "auto" else {}),
         }
     )
 

@@ -22,7 +22,10 @@ SINGULAR = "modelservice"
 SHORT_NAMES = ["msvc"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
-Quantization = Literal["none", "bf16", "int8", "fp8"]
+# Weight quantization methods `magnitude serve --quantization` knows; the compute dtype is `Dtype`.
+# "int8" is the earlier name of w8a8, kept so objects written before the split still validate.
+Quantization = Literal["none", "w8a8", "w8a16", "int8"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 DEFAULT_ENGINE_IMAGE = "magnitude/engine:0.1.0"
 Namespace = Annotated[str, Field(pattern=DNS_LABEL)]
@@ -139,7 +142,18 @@ class ModelServiceSpec(EngineConfig):
     """`spec` of a ModelService: the engine policy (inherited) plus model, resources and scaling."""
 
     model: ModelRef
-    quantization: Quantization = Field(default="none", description="Weight format the engine loads.")
+    quantization: Quantization = Field(
+        default="none",
+        description="Weight quantization: none; w8a8 (int8 weights and activations, SmoothQuant-calibrated); "
+        "w8a16 (int8 weights, activations in `dtype`); int8 (the earlier name of w8a8). The int8 methods run on "
+        "the CPU only. A quantized model is evaluated against its unquantized reference before it serves "
+        "(see quantizationEvaluation; status condition QuantizationValidated).",
+    )
+    dtype: Dtype = Field(
+        default="auto",
+        description="Compute dtype of the weights that are not quantized (and of activations under w8a16): "
+        "auto is the engine's default, float32 on CPU and bfloat16 on GPU.",
+    )
     draft_model: DraftModel | None = Field(default=None, description="Speculative decoding draft model.")
     image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1, max_length=512, description="Engine image.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent")
@@ -158,7 +172,9 @@ class ModelServiceSpec(EngineConfig):
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     load_shedding: LoadShedding = Field(default_factory=LoadShedding)
     model_load_timeout_seconds: int = Field(
-        default=900, ge=30, le=7200, description="Startup probe budget for downloading and loading the model."
+        default=900, ge=30, le=7200,
+        description="Startup probe budget for downloading and loading the model; a pod not ready for longer "
+        "no longer counts as capacity on its way (the autoscaler stops waiting for it).",
     )
     drain_seconds: int = Field(
         default=30, ge=0, le=3600, description="Time a terminating pod keeps serving in-flight streams."
@@ -231,7 +247,7 @@ class ModelServiceStatus(PolicyModel):
     ready_replicas: int = Field(default=0, ge=0)
     desired_replicas: int | None = Field(default=None, ge=0, description="The replica count being driven to.")
     selector: str = Field(default="", description="Label selector of the pods, as a string (scale subresource).")
-    service_version: str = Field(default="", description="Hash of model + quantization + scheduler policy.")
+    service_version: str = Field(default="", description="Hash of model + quantization + dtype + scheduler policy.")
     load: LoadSnapshot | None = None
     autoscaler: AutoscalerMemory | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=16)

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from magnitude.operator.spec import ModelServiceSpec
 
-# What `magnitude serve` can load today. Widen these as the runner learns more.
-ENGINE_QUANTIZATIONS = frozenset({"none", "bf16", "int8"})
+# What `magnitude serve --quantization` can load today. Widen these as the runner learns more.
+ENGINE_QUANTIZATIONS = frozenset({"none", "w8a8", "w8a16", "int8"})
 ENGINE_LOADS_DRAFT_MODELS = False
-GPU_ONLY_QUANTIZATIONS = frozenset({"fp8"})
-# The engine's int8 path is W8A8 through torch._int_mm, validated on CPU only (runner/quantize.py).
-CPU_ONLY_QUANTIZATIONS = frozenset({"int8"})
+# The engine's int8 kernels (torch._int_mm for w8a8, torch._weight_int8pack_mm for w8a16) are
+# validated on the CPU only (runner/quantize.py); `magnitude serve` refuses them on cuda.
+CPU_ONLY_QUANTIZATIONS = frozenset({"w8a8", "w8a16", "int8"})
 
 
 @dataclass(frozen=True)
@@ -31,14 +31,12 @@ class Problem:
 def unsupported(spec: ModelServiceSpec) -> list[Problem]:
     """Every reason the operator will not roll this spec out; empty when it is servable."""
     problems: list[Problem] = []
-    if spec.quantization in GPU_ONLY_QUANTIZATIONS and spec.resources.gpus == 0:
+    if spec.quantization in CPU_ONLY_QUANTIZATIONS and spec.resources.gpus > 0:
         problems.append(Problem("spec.quantization",
-                                f"{spec.quantization} needs spec.resources.gpus >= 1 (no {spec.quantization} kernels on CPU)"))
-    elif spec.quantization in CPU_ONLY_QUANTIZATIONS and spec.resources.gpus > 0:
-        problems.append(Problem("spec.quantization",
-                                f"the engine's {spec.quantization} weights run on the CPU only; "
-                                "use bf16 with spec.resources.gpus >= 1, or set gpus to 0"))
-    elif spec.quantization not in ENGINE_QUANTIZATIONS:
+                                f"the engine's {spec.quantization} weights run on the CPU only (no int8 GPU "
+                                "kernels); use quantization none with dtype bfloat16 on GPUs, or set "
+                                "spec.resources.gpus to 0"))
+    elif spec.quantization not in ENGINE_QUANTIZATIONS:  # the CRD's enum is wider than the engine
         problems.append(Problem("spec.quantization",
                                 f"the engine cannot load {spec.quantization} weights yet "
                                 f"(supported: {', '.join(sorted(ENGINE_QUANTIZATIONS))})"))
