@@ -62,11 +62,38 @@ def test_histogram_quantile_interpolates_within_the_bucket() -> None:
         ("no metrics at all hold the size", 3, [a.PodLoad(name="x", ready=True)], 3, a.METRICS_UNAVAILABLE),
         ("nothing ready yet is pending, not a metrics failure", 2, pods(2, kv=None, ready=False), 2, a.PODS_PENDING),
         ("idle at minReplicas stays", 1, pods(1, kv=0.0), 1, a.AT_MIN),
+        # Not ready and not on its way (issue 11): it no longer holds scale-up (now=1000, load timeout 900).
+        ("a quantization-rejected pod does not hold scale-up", 2,
+         pods(1, kv=1.0, queue_s=8.0) + [a.PodLoad(name="p9", ready=False, phase="quantization_rejected")],
+         4, a.SCALED_UP),
+        ("a failed pod does not hold scale-up", 2,
+         pods(1, kv=1.0, queue_s=8.0) + [a.PodLoad(name="p9", ready=False, phase="failed")], 4, a.SCALED_UP),
+        ("a pod not ready past the load timeout does not hold scale-up", 2,
+         pods(1, kv=1.0, queue_s=8.0) + [a.PodLoad(name="p9", ready=False, not_ready_since=50.0)], 4, a.SCALED_UP),
+        ("a pod still inside the load timeout does", 2,
+         pods(1, kv=1.0, queue_s=8.0) + [a.PodLoad(name="p9", ready=False, phase="loading", not_ready_since=200.0)],
+         2, a.PODS_PENDING),
+        ("only stuck pods: hold and say so", 2,
+         [a.PodLoad(name=f"p{i}", ready=False, phase="quantization_rejected") for i in range(2)], 2, a.PODS_STUCK),
     ],
 )
 def test_scale_table(name: str, current: int, load: list[a.PodLoad], want: int, reason: str) -> None:
     d = a.decide(make_spec(), current, load, a.Memory(), now=1000.0)
     assert (d.replicas, d.reason) == (want, reason), d.message
+
+
+def test_the_condition_names_each_stuck_pod_and_why() -> None:
+    load = pods(1, kv=1.0, queue_s=8.0) + [a.PodLoad(name="q", ready=False, phase="quantization_rejected"),
+                                           a.PodLoad(name="slow", ready=False, not_ready_since=0.0)]
+    d = a.decide(make_spec(), 3, load, a.Memory(), now=1000.0)
+    assert d.reason == a.SCALED_UP, d.message
+    assert "pod q (/readyz phase quantization_rejected)" in d.message
+    assert "pod slow (not ready for 1000s, past spec.modelLoadTimeoutSeconds 900)" in d.message
+    off = a.decide(make_spec(autoscaling={"enabled": False}, replicas=3), 3, load, a.Memory(), now=1000.0)
+    assert off.reason == a.EXTERNAL and "pod q" in off.message and "pod slow" in off.message
+    # Shedding is no longer held back either: at maxReplicas with a stuck pod, an overload sheds.
+    full = a.decide(make_spec(), 4, pods(3, kv=1.0, queue_s=20.0) + [load[1]], a.Memory(), now=1000.0)
+    assert full.reason == a.AT_MAX and full.shed_reason == a.SHED_STARTED, (full.message, full.shed_message)
 
 
 def test_scale_up_is_limited_per_step_by_the_factor() -> None:

@@ -9,7 +9,11 @@ down) pod-deletion costs so the least-loaded pods go first. Rules:
 * Stabilization as in the HPA: scale up to the *lowest* recommendation of the up-window (0 s by
   default: fast), scale down to the *highest* of the down-window (300 s: slow); one step grows by
   at most `maxScaleUpFactor`; the result is clamped to [minReplicas, maxReplicas].
-* No scale-up while pods are pending or loading (their capacity is already on its way).
+* No scale-up while pods are pending or loading (their capacity is already on its way). A pod
+  that will not become ready by waiting is not on its way: one whose /readyz reports a terminal
+  phase (`quantization_rejected`, `failed`, `dead`), or one not ready for longer than the load
+  timeout (`spec.modelLoadTimeoutSeconds`). It no longer holds scaling or shedding, and the
+  Scaling condition names it and why (reason `PodsStuck` when no pod serves at all).
 * Missing or stale metrics hold the current size and say so. A ready pod without usable metrics
   (it did not answer, answered garbage, or its last scrape is stale) blocks scaling *down*: its
   load is unknown, and the pod it would remove first is that very pod. Scaling up still follows
@@ -38,6 +42,7 @@ STABILIZING = "StabilizingScaleDown"
 AT_MAX = "AtMaxReplicas"
 AT_MIN = "AtMinReplicas"
 PODS_PENDING = "PodsPending"
+PODS_STUCK = "PodsStuck"
 METRICS_UNAVAILABLE = "MetricsUnavailable"
 EXTERNAL = "AutoscalingDisabled"
 
@@ -49,6 +54,10 @@ SHED_STOPPED = "SheddingStopped"
 SHED_HOLDING = "SheddingHeld"
 NOT_SHEDDING = "NotShedding"
 SHED_DISABLED = "SheddingDisabled"
+
+
+# Engine /readyz phases a pod does not leave by itself (server/magnitude/server/async_engine.py).
+TERMINAL_PHASES = frozenset({"quantization_rejected", "failed", "dead"})
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,19 @@ class PodLoad:
     running: float = 0.0
     queue_buckets: tuple[tuple[float, float], ...] = ()
     problem: str | None = None  # why the latest scrape gave nothing usable (None: it did, or none was due)
+    phase: str | None = None  # a not-ready pod's /readyz phase (None: unknown)
+    not_ready_since: float | None = None  # Unix seconds a not-ready pod became not ready (None: unknown)
+
+    def stuck(self, now: float, load_timeout: float) -> str | None:
+        """Why this not-ready pod will not become ready by waiting, or None while it may still load."""
+        if self.ready:
+            return None
+        if self.phase in TERMINAL_PHASES:
+            return f"/readyz phase {self.phase}"
+        if self.not_ready_since is not None and now - self.not_ready_since > load_timeout:
+            return (f"not ready for {now - self.not_ready_since:.0f}s, past spec.modelLoadTimeoutSeconds "
+                    f"{load_timeout:g}")
+        return None
 
     def fresh(self, max_age: float) -> bool:
         """Ready with a usable scrape no older than `max_age` (finite values only: the scraper
@@ -205,23 +227,36 @@ def deletion_costs(pods: tuple[PodLoad, ...] | list[PodLoad], max_age: float) ->
     return costs
 
 
+def stuck_note(stuck: list[tuple[str, str]]) -> str:
+    """`; not waiting for pod a (why); pod b (why)`, or "" when every not-ready pod may still load."""
+    return ("; not waiting for " + "; ".join(f"pod {name} ({why})" for name, why in stuck)) if stuck else ""
+
+
 def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load: Load, memory: Memory,
            now: float) -> tuple[int, str, str, Memory]:
     a = spec.autoscaling
     lo, hi = spec.min_replicas, spec.max_replicas
+    stuck = [(p.name, why) for p in pods if (why := p.stuck(now, spec.model_load_timeout_seconds)) is not None]
+    note = stuck_note(stuck)
     if not a.enabled:
         want = spec.replicas if spec.replicas is not None else lo
-        return want, EXTERNAL, f"autoscaling is off; spec.replicas decides ({want})", replace(memory, recommendations=())
-    not_ready = sum(1 for p in pods if not p.ready) + max(0, current - len(pods))
+        return (want, EXTERNAL, f"autoscaling is off; spec.replicas decides ({want}){note}",
+                replace(memory, recommendations=()))
+    # Pods still on their way: not ready and not stuck, plus those the ReplicaSet has yet to create.
+    not_ready = sum(1 for p in pods if not p.ready) - len(stuck) + max(0, current - len(pods))
     if current > 0 and not load.available and load.ready_pods == 0 and not_ready > 0:
         return _clamp_hold(current, lo, hi, PODS_PENDING, f"{not_ready} pod(s) pending or loading; no ready pod "
-                           f"to measure yet, holding {current}", memory)
+                           f"to measure yet, holding {current}{note}", memory)
+    if current > 0 and not load.available and load.ready_pods == 0 and stuck:
+        # More pods of the same spec would most likely get stuck the same way: hold, and say why.
+        return _clamp_hold(current, lo, hi, PODS_STUCK, f"no pod is ready or loading, holding {current}{note}",
+                           memory)
     if current > 0 and not load.available:
         why = (f"no fresh metrics from {load.ready_pods} ready pod(s) (max age {a.metrics_max_age_seconds:g}s); "
                f"holding {current}")
         if load.unavailable:
             why += ": " + load.unavailable_note()
-        return _clamp_hold(current, lo, hi, METRICS_UNAVAILABLE, why, memory)
+        return _clamp_hold(current, lo, hi, METRICS_UNAVAILABLE, why + note, memory)
     ratio = usage_ratio(load, a) if load.available else 0.0
     if load.available and abs(ratio - 1.0) <= a.tolerance:
         raw = current
@@ -252,6 +287,7 @@ def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load
               f"/{a.target_queue_time_seconds:g}s over {load.fresh_pods} pod(s), ratio {ratio:.2f}")
     if load.unavailable:
         detail += "; " + load.unavailable_note()
+    detail += note
     if new > current and not_ready > 0:
         return current, PODS_PENDING, f"{not_ready} pod(s) pending or loading; not scaling past {current} ({detail})", memory
     if new > current:

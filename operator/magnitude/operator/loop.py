@@ -1,5 +1,6 @@
-"""The scale-and-shed loop: every sync period, for every known ModelService, scrape its ready pods,
-ask the pure autoscaler for a decision, reconcile with it, and tell the engines what to shed.
+"""The scale-and-shed loop: every sync period, for every known ModelService, scrape its ready pods
+(and read /readyz of the others, of all of them when the weights are quantized), ask the pure
+autoscaler for a decision, reconcile with it and the pods' reports, and tell the engines what to shed.
 
 It runs as one background task started by the operator (not a Kopf timer: a timer would add a
 finalizer, and a finalizer blocks deletion whenever the operator is down). The registry is fed by
@@ -23,6 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -32,6 +34,7 @@ from magnitude.operator.apply import ApiError, Kube
 from magnitude.operator.autoscaler import Decision, decide, hold
 from magnitude.operator.desired import Owner, desired_replicas
 from magnitude.operator.engine_client import set_shedding
+from magnitude.operator.quantization import PodReport
 from magnitude.operator.reconcile import SpecInvalid, operator_key, parse_spec, parse_status, reconcile
 from magnitude.operator.scrape import PodInfo, Scraper, pod_url
 from magnitude.operator.status import memory_from_status
@@ -89,15 +92,30 @@ def sync_seconds() -> float:
     return float(os.environ.get(SYNC_SECONDS_ENV, DEFAULT_SYNC_SECONDS))
 
 
+def _unix(stamp: Any) -> float | None:
+    """An RFC 3339 time from the API (`2024-05-01T10:00:00Z`) as Unix seconds; None if it is not one."""
+    if not isinstance(stamp, str):
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
 def pod_infos(pods: list[dict[str, Any]]) -> list[PodInfo]:
-    """Pods that count: terminating ones are already leaving and carry no capacity."""
+    """Pods that count: terminating ones are already leaving and carry no capacity. A not-ready pod
+    has been so since its Ready condition last flipped (the kubelet's time), else since it was
+    created: the autoscaler stops waiting for it past the load timeout."""
     out = []
     for p in pods:
         meta, status = p.get("metadata", {}), p.get("status") or {}
         if meta.get("deletionTimestamp"):
             continue
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        out.append(PodInfo(name=meta["name"], uid=meta.get("uid", meta["name"]), ip=status.get("podIP"), ready=ready))
+        cond = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+        ready = cond.get("status") == "True"
+        since = None if ready else (_unix(cond.get("lastTransitionTime")) or _unix(meta.get("creationTimestamp")))
+        out.append(PodInfo(name=meta["name"], uid=meta.get("uid", meta["name"]), ip=status.get("podIP"), ready=ready,
+                           not_ready_since=since))
     return out
 
 
@@ -123,8 +141,10 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
     prev = parse_status(body)
     current, memory = desired_replicas(spec, prev), memory_from_status(prev)
     decision: Decision
+    reports: tuple[PodReport, ...] | None = None
     try:
-        loads = await entry.scraper.scrape(client, pods, namespace)
+        loads = await entry.scraper.scrape(client, pods, namespace, records=spec.quantization != "none")
+        reports = entry.scraper.reports
         decision = decide(spec, current, loads, memory, now=time.time())
     except Exception as e:  # noqa: BLE001 - whatever a pod served, the reconcile below must still run
         log.exception("%s/%s: could not evaluate metrics", namespace, name)
@@ -132,7 +152,7 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
 
     def locked() -> None:
         with entry.lock:
-            reconcile(kube, body, decision)
+            reconcile(kube, body, decision, reports)
 
     await _blocking(locked)
     want = frozenset(decision.shed_classes)

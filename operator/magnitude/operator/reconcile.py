@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from magnitude.operator import autoscaler as a
 from magnitude.operator import naming as n
+from magnitude.operator import quantization as q
 from magnitude.operator import status as st
 from magnitude.operator.apply import ApiError, Kube
 from magnitude.operator.desired import (DEFAULT_OPERATOR_NAMESPACE, Owner, absent_children, build_admin_secret,
@@ -31,7 +32,10 @@ from magnitude.operator.validation import unsupported
 log = logging.getLogger(__name__)
 NORMAL, WARNING = "Normal", "Warning"
 SHED_EVENTS = {a.SHED_STARTED: WARNING, a.SHED_ESCALATED: WARNING, a.SHED_REDUCED: NORMAL, a.SHED_STOPPED: NORMAL}
-SCALING_EVENTS = {a.AT_MAX: WARNING, a.METRICS_UNAVAILABLE: WARNING, a.PODS_PENDING: NORMAL}
+SCALING_EVENTS = {a.AT_MAX: WARNING, a.METRICS_UNAVAILABLE: WARNING, a.PODS_PENDING: NORMAL, a.PODS_STUCK: WARNING}
+# QuantizationValidated changes worth an Event (reason "Quantization" + the condition's reason);
+# Rejected is announced by Degraded's Warning (reason QuantizationRejected), not twice.
+QUANTIZATION_EVENTS = {q.PASSED: NORMAL, q.FAILED_NOT_ENFORCED: WARNING}
 
 
 OPERATOR_NAMESPACE_ENV = "MAGNITUDE_OPERATOR_NAMESPACE"  # the chart sets it from the downward API
@@ -119,6 +123,8 @@ def _events(prev: ModelServiceStatus | None, new: ModelServiceStatus, the_plan: 
     for c in st.transitions(prev, new):
         if c.type == st.DEGRADED and c.status == "True":
             out.append((WARNING, c.reason, c.message))
+        elif c.type == st.QUANTIZATION_VALIDATED and c.reason in QUANTIZATION_EVENTS:
+            out.append((QUANTIZATION_EVENTS[c.reason], "Quantization" + c.reason, c.message))
         elif c.type == st.SCALING and c.reason in SCALING_EVENTS:
             out.append((SCALING_EVENTS[c.reason], c.reason, c.message))
         elif c.type == st.PROGRESSING and c.reason == "RolloutComplete" and prev is not None:
@@ -140,8 +146,10 @@ def _finish(kube: Kube, body: dict[str, Any], prev: ModelServiceStatus | None, n
     return Result(new, the_plan, events)
 
 
-def reconcile(kube: Kube, body: dict[str, Any], decision: a.Decision | None = None) -> Result:
-    """Bring the children in line with the spec (and `decision`, when the scale loop has one)."""
+def reconcile(kube: Kube, body: dict[str, Any], decision: a.Decision | None = None,
+              pod_reports: tuple[q.PodReport, ...] | None = None) -> Result:
+    """Bring the children in line with the spec (and `decision`, when the scale loop has one);
+    `pod_reports` are the pods' /readyz answers when the scale loop read them this tick."""
     owner = Owner.from_body(body, operator_key())
     generation = body["metadata"].get("generation")
     prev = parse_status(body)
@@ -178,5 +186,6 @@ def reconcile(kube: Kube, body: dict[str, Any], decision: a.Decision | None = No
     deployment = written.get(("Deployment", n.deployment_name(owner.name))) or observed.get(
         ("Deployment", n.deployment_name(owner.name)))
     obs = st.Observed(deployment=deployment, desired_replicas=replicas, service_version=service_version(spec),
-                      selector=n.selector_string(owner.name), problems=problems, apply_error=apply_error)
+                      selector=n.selector_string(owner.name), problems=problems, apply_error=apply_error,
+                      quantized=spec.quantization != "none", pod_reports=pod_reports)
     return _finish(kube, body, prev, st.build(prev, generation, obs, decision, now_iso()), the_plan, decision)

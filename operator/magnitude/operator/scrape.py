@@ -9,11 +9,18 @@ Pods are not trusted to behave. A scrape has one deadline and a byte cap for the
 NaN, an infinity, a negative count, a KV ratio outside [0, 1], buckets that are not cumulative)
 with `MetricsRejected`. Either way the pod has no metrics this tick and its `PodLoad.problem`
 says why, so the policy holds and the Scaling condition names the pod; nothing escapes the tick.
+
+`/readyz` is read too, from every pod with an address, ready or not: a not-ready pod's phase
+(`quantization_rejected`, `failed`, `dead`: it will not become ready by waiting) tells the
+autoscaler to stop counting it as capacity on its way, and a quantized service's pods report
+their quantization evaluation record there (`quantization.PodReport`), which becomes the
+QuantizationValidated condition. Same deadline and byte cap as a scrape.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import time
@@ -26,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from magnitude.operator import naming as n
 from magnitude.operator.autoscaler import PodLoad
 from magnitude.operator.podhttp import PodHttpError, request
+from magnitude.operator.quantization import PodReport, parse_record
 
 # The engine series the operator reads (DESIGN §3 Metrics).
 KV_USAGE = "magnitude_kv_cache_usage_ratio"
@@ -42,6 +50,8 @@ DEFAULT_URL_TEMPLATE = "http://{ip}:{port}"
 # /metrics is tens of kB (tenant labels are bounded), so 4 MiB is generous and still cheap.
 SCRAPE_DEADLINE_SECONDS = 2.0
 SCRAPE_MAX_BYTES = 4 << 20
+# /readyz is a small JSON document (the evaluation record lists a handful of probes).
+READYZ_MAX_BYTES = 256 << 10
 
 
 class MetricsRejected(ValueError):
@@ -65,6 +75,7 @@ class PodInfo:
     uid: str
     ip: str | None
     ready: bool
+    not_ready_since: float | None = None  # Unix seconds the pod last became (or was created) not ready
 
 
 def _number(series: str, value: float) -> float:
@@ -157,13 +168,22 @@ class Scraper:
         self._clock = clock
         self._last: dict[str, _Seen] = {}
         self.shed_reported: dict[str, frozenset[str] | None] = {}  # pod name -> classes it sheds
+        self.reports: tuple[PodReport, ...] = ()  # the latest /readyz of each pod that answered one
 
-    async def scrape(self, client: httpx.AsyncClient, pods: list[PodInfo], namespace: str) -> list[PodLoad]:
-        """Fetch every ready pod over `client` (the loop's shared one: connections are reused).
-        A pod that answers garbage loses its earlier metrics at once (they describe an engine that
-        no longer reports sanely); one that does not answer keeps them until they are stale."""
+    async def scrape(self, client: httpx.AsyncClient, pods: list[PodInfo], namespace: str,
+                     records: bool = False) -> list[PodLoad]:
+        """Fetch /metrics of every ready pod and /readyz of every not-ready one (of every pod with
+        `records`: a quantized service's ready pods carry their evaluation record there too) over
+        `client` (the loop's shared one: connections are reused). A pod that answers garbage loses
+        its earlier metrics at once (they describe an engine that no longer reports sanely); one
+        that does not answer keeps them until they are stale."""
         ready = [p for p in pods if p.ready]
-        got = await asyncio.gather(*(fetch_metrics(client, pod_url(p, namespace)) for p in ready))
+        asked = [p for p in pods if records or not p.ready]
+        got, answers = await asyncio.gather(
+            asyncio.gather(*(fetch_metrics(client, pod_url(p, namespace)) for p in ready)),
+            asyncio.gather(*(fetch_readiness(client, pod_url(p, namespace), p.name) for p in asked)))
+        reports = {r.pod: r for r in answers if r is not None}
+        self.reports = tuple(reports.values())
         now = self._clock()
         fresh: dict[str, tuple[PodMetrics, tuple[tuple[float, float], ...]]] = {}
         problems: dict[str, str] = {}
@@ -188,7 +208,10 @@ class Scraper:
         for p in pods:
             seen = self._last.get(p.uid)
             if not p.ready or seen is None:
-                loads.append(PodLoad(name=p.name, ready=p.ready, problem=problems.get(p.uid)))
+                report = reports.get(p.name)
+                loads.append(PodLoad(name=p.name, ready=p.ready, problem=problems.get(p.uid),
+                                     phase=report.phase if report is not None else None,
+                                     not_ready_since=None if p.ready else p.not_ready_since))
                 continue
             metrics, delta = fresh.get(p.uid, (seen.metrics, ()))
             loads.append(PodLoad(name=p.name, ready=True, age=now - seen.at, kv_usage=metrics.kv_usage,
@@ -209,3 +232,22 @@ async def fetch_metrics(client: httpx.AsyncClient, url: str | None) -> tuple[str
     if status != 200:
         return None, f"scrape answered HTTP {status}"
     return body.decode("utf-8", errors="replace"), None
+
+
+async def fetch_readiness(client: httpx.AsyncClient, url: str | None, pod: str) -> PodReport | None:
+    """What the pod's /readyz says (its phase when not ready, its quantization record), or None when
+    it gives no usable answer: not up yet, too slow, too big, not JSON. Loading pods often refuse
+    connections, so a failure here is normal and says nothing about the pod."""
+    if url is None:
+        return None
+    try:
+        status, body = await request(client, "GET", url + "/readyz", deadline=SCRAPE_DEADLINE_SECONDS,
+                                     max_bytes=READYZ_MAX_BYTES)
+        doc = json.loads(body)
+    except (PodHttpError, ValueError):
+        return None
+    if not isinstance(doc, dict) or status not in (200, 503):
+        return None
+    phase = doc.get("phase") if status == 503 else None
+    return PodReport(pod=pod, phase=phase[:64] if isinstance(phase, str) else None,
+                     record=parse_record(doc.get("quantization")))

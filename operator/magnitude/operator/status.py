@@ -2,8 +2,10 @@
 
 Conditions follow metav1.Condition: `lastTransitionTime` moves only when `status` flips, and each
 carries the generation it describes. `Ready`, `Progressing` and `Degraded` come from the Deployment
-and the spec checks; `Scaling` and `Shedding` from the autoscaler's last decision (kept from the
-previous status between ticks). The caller writes status only when `changed()` says so.
+and the spec checks; `Scaling` and `Shedding` from the autoscaler's last decision, and
+`QuantizationValidated` (with `Degraded` when a pod rejected its quantized weights) from the pods'
+/readyz reports (`quantization.judge`); both kept from the previous status by reconciles that did
+not look at the pods (the change handlers). The caller writes status only when `changed()` says so.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from magnitude.operator import autoscaler as a
+from magnitude.operator import quantization as q
 from magnitude.operator.spec import AutoscalerMemory, Condition, LoadSnapshot, ModelServiceStatus, Recommendation
 from magnitude.operator.validation import Problem
 
 READY, PROGRESSING, DEGRADED, SCALING, SHEDDING = "Ready", "Progressing", "Degraded", "Scaling", "Shedding"
-CONDITION_ORDER = (READY, PROGRESSING, DEGRADED, SCALING, SHEDDING)
+QUANTIZATION_VALIDATED = "QuantizationValidated"
+CONDITION_ORDER = (READY, PROGRESSING, DEGRADED, SCALING, SHEDDING, QUANTIZATION_VALIDATED)
+QUANTIZATION_REJECTED = "QuantizationRejected"  # Degraded's reason when a pod refused its weights
 SCALING_ACTIVE = frozenset({a.SCALED_UP, a.SCALED_DOWN, a.PODS_PENDING})
 
 
@@ -31,6 +36,8 @@ class Observed:
     problems: tuple[Problem, ...] = ()
     apply_error: str | None = None
     invalid_spec: str | None = None  # the spec did not parse
+    quantized: bool = False  # spec.quantization is not none: QuantizationValidated applies
+    pod_reports: tuple[q.PodReport, ...] | None = None  # the pods' /readyz; None: not looked at this time
 
 
 def _set(conds: dict[str, Condition], type_: str, status: str, reason: str, message: str, generation: int | None,
@@ -109,12 +116,15 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
     else:
         _set(conds, PROGRESSING, "False", "NotDeployed", "nothing to roll out", generation, now)
 
+    rejected = _quantization(conds, obs, generation, now)
     if obs.invalid_spec:
         _set(conds, DEGRADED, "True", "InvalidSpec", obs.invalid_spec, generation, now)
     elif obs.problems:
         _set(conds, DEGRADED, "True", "UnsupportedSpec", "; ".join(str(p) for p in obs.problems), generation, now)
     elif obs.apply_error:
         _set(conds, DEGRADED, "True", "ApplyFailed", obs.apply_error, generation, now)
+    elif rejected:  # before the progress deadline: a rejected pod is why a rollout cannot finish
+        _set(conds, DEGRADED, "True", QUANTIZATION_REJECTED, rejected, generation, now)
     elif failure:
         _set(conds, DEGRADED, "True", "ProgressDeadlineExceeded", failure, generation, now)
     else:
@@ -142,6 +152,25 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
         autoscaler=memory,
         conditions=[conds[t] for t in CONDITION_ORDER if t in conds],
     )
+
+
+def _quantization(conds: dict[str, Condition], obs: Observed, generation: int | None, now: str) -> str | None:
+    """Set (or drop) QuantizationValidated; return what Degraded must say about it (None: nothing).
+    Without reports this time, the previous verdict stands, Degraded's part included."""
+    if not obs.quantized:
+        conds.pop(QUANTIZATION_VALIDATED, None)
+        return None
+    if obs.pod_reports is None:
+        prev, degraded = conds.get(QUANTIZATION_VALIDATED), conds.get(DEGRADED)
+        if prev is None:
+            _set(conds, QUANTIZATION_VALIDATED, "Unknown", q.PENDING, "no pod has been asked yet", generation, now)
+        if prev is not None and prev.reason == q.REJECTED and degraded is not None \
+                and degraded.reason == QUANTIZATION_REJECTED:
+            return degraded.message
+        return None
+    verdict = q.judge(obs.pod_reports)
+    _set(conds, QUANTIZATION_VALIDATED, verdict.status, verdict.reason, verdict.message, generation, now)
+    return verdict.degraded
 
 
 def changed(prev: ModelServiceStatus | None, new: ModelServiceStatus) -> bool:
