@@ -251,7 +251,13 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             )
         try:
             if isinstance(body, ChatCompletionRequest):
-                messages = [{"role": m.role, "content": m.text} for m in body.messages]
+                messages = [m.template_fields() for m in body.messages]
+                dropped = renderer.unrendered_field(messages)
+                if dropped is not None:
+                    index, field = dropped
+                    raise APIError(400, f"messages[{index}].{field}: this model's chat template does not render it, "
+                                        "so it would be dropped", param=f"messages.{index}.{field}",
+                                   code="unsupported_parameter")
                 ids = await asyncio.to_thread(renderer.chat, messages)
             elif isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
                 ids = body.prompt  # type: ignore[assignment]

@@ -85,7 +85,13 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
+    # An unsupported field is named first: it is the error that explains the others away.
+    first = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+    if first.get("type") == "extra_forbidden":
+        param = _param_of(first.get("loc", ()))
+        message = (f"unsupported parameter '{param}': Magnitude does not implement it, and refuses it rather than "
+                   "ignore it (docs/server.md lists the supported fields)")
+        return APIError(400, message, param=param, code="unsupported_parameter")
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", code="json_invalid")
     param = _param_of(first.get("loc", ()))

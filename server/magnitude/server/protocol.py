@@ -2,13 +2,18 @@
 
 Requests are validated here (types, ranges, the Magnitude extensions `priority_class`,
 `deadline_ms`, `ignore_eos`, `top_k`, `stream_options.include_progress`); checks that need the
-engine (known model, known priority class, context length) live in `app.py`. Unknown request
-fields are ignored, as OpenAI-compatible servers do, so newer clients keep working. Responses
-are built as plain dicts by `responses.py`; only their stable shapes are described here.
+engine (known model, known priority class, context length) live in `app.py`.
+
+No silent drops: a field Magnitude does not implement is refused (400 naming it, code
+`unsupported_parameter`), because a client that asked for JSON, a tool call or a logit bias and
+got free text fails later and worse. Only IGNORED_FIELDS, which mean nothing to a self-hosted
+engine, are accepted and dropped. Responses are built as plain dicts by `responses.py`; only
+their stable shapes are described here.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,21 +23,52 @@ MAX_STOP_LENGTH = 256
 MAX_TOKENS_LIMIT = 1_000_000
 
 
-class _Lenient(BaseModel):
-    """Unknown fields are ignored (forward compatibility with newer OpenAI clients)."""
+# Fields of OpenAI's request schemas that mean nothing to a self-hosted engine: accepted and
+# dropped. `store`/`metadata`: OpenAI's stored completions; `service_tier`: OpenAI's capacity
+# tiers; `safety_identifier`: OpenAI's abuse reporting (`user` is the tenant here, not ignored);
+# `prompt_cache_key`: a routing hint for OpenAI's prompt cache (the prefix cache needs none).
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key"})
+# `stream_options.include_obfuscation`: OpenAI pads chunks against length side channels on its
+# network; nothing to hide between a client and its own engine.
+IGNORED_STREAM_OPTIONS = frozenset({"include_obfuscation"})
 
-    model_config = ConfigDict(extra="ignore")
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
-class StreamOptions(_Lenient):
+class _Strict(BaseModel):
+    """Undeclared fields are refused, never ignored (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _drop(data: Any, names: frozenset[str]) -> Any:
+    return {k: v for k, v in data.items() if k not in names} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        return _drop(data, IGNORED_STREAM_OPTIONS)
+
     include_usage: bool = False
     include_progress: bool = Field(
         default=False, description="Magnitude extension: progress chunks (loading, queued, prefill, generating)."
     )
 
 
-class _SamplingRequest(_Lenient):
+class _SamplingRequest(_Strict):
     """Fields shared by chat and text completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        return _drop(data, IGNORED_FIELDS)
 
     model: str = Field(min_length=1, max_length=512)
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
@@ -82,15 +118,55 @@ class _SamplingRequest(_Lenient):
         return bool(self.stream_options and self.stream_options.include_progress)
 
 
-class TextPart(_Lenient):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str = Field(max_length=4_000_000)
 
 
-class ChatMessage(_Lenient):
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(max_length=4_000_000, description="JSON text, as OpenAI sends it.")
+
+
+class ToolCall(_Strict):
+    """A call an earlier assistant turn made (conversation history sent back by the client)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, Field(max_length=4_000_000)] | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> "ChatMessage":
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only allowed on role 'tool' messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: required on role 'tool' messages")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only allowed on role 'assistant' messages")
+        return self
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as chat templates take it (Hugging Face's convention): optional fields only
+        when set, and tool call arguments as an object when they are JSON (templates index them)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            out["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        return out
 
     @property
     def text(self) -> str:
@@ -139,6 +215,7 @@ class CompletionRequest(_SamplingRequest):
     )
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = Field(default=False, description="Only false is supported.")
+    best_of: int | None = Field(default=None, ge=1, le=1, description="Only 1 (one candidate per choice).")
     suffix: None = None
 
     @field_validator("echo")

@@ -4,11 +4,18 @@ the character bound that refuses a prompt too long for the context before any of
 Works with a Hugging Face tokenizer or anything with the same small surface
 (`encode`, `decode`, `apply_chat_template`, optionally `get_vocab`), such as the simulated
 runner's byte tokenizer.
+
+Message fields beyond `role` and `content` (`name`, `tool_call_id`, `tool_calls`) reach the chat
+template; a template that does not render one would drop it silently, so `unrendered_field`
+finds such a field by rendering a probe message carrying a sentinel value once per (role, field)
+and the server refuses the request naming it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+_SENTINEL = "magnitude-probe-7f3a"
 
 # For a tokenizer that cannot list its vocabulary: generous (SmolLM2's longest token is 81).
 DEFAULT_MAX_CHARS_PER_TOKEN = 256
@@ -31,16 +38,48 @@ class PromptRenderer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.max_chars_per_token = longest_token_chars(tokenizer)
+        self._rendered: dict[tuple[str, str], bool] = {}
 
     def max_prompt_chars(self, max_model_len: int) -> int:
         """Characters above which a prompt cannot fit `max_model_len` tokens, whatever it says.
         Counted on the message texts before the chat template, which only adds text."""
         return max_model_len * self.max_chars_per_token
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template already wrote the special tokens it wants.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def unrendered_field(self, messages: list[dict[str, Any]]) -> tuple[int, str] | None:
+        """(index, field) of the first message field the chat template does not render, or None."""
+        for i, m in enumerate(messages):
+            for name in m.keys() - {"role", "content"}:
+                if not self._renders(m["role"], name):
+                    return i, name
+        return None
+
+    def _renders(self, role: str, name: str) -> bool:
+        key = (role, name)
+        if key not in self._rendered:
+            probe: dict[str, Any] = {"role": role, "content": "x"}
+            if name == "tool_calls":
+                probe[name] = [{"id": _SENTINEL, "type": "function", "function": {"name": _SENTINEL, "arguments": {}}}]
+            else:
+                probe[name] = _SENTINEL
+            # Templates may insist on a conversation shape (a user turn first, a call before its result).
+            shapes = [[probe], [{"role": "user", "content": "x"}, probe]]
+            if role == "tool":
+                call = {"id": "x", "type": "function", "function": {"name": "x", "arguments": {}}}
+                shapes.append([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}, probe])
+            self._rendered[key] = any(self._probe(shape) for shape in shapes)
+        return self._rendered[key]
+
+    def _probe(self, messages: list[dict[str, Any]]) -> bool:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template refusing this shape renders nothing
+            return False
+        return _SENTINEL in text
 
     def text(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
