@@ -155,11 +155,26 @@ class Cluster:
     def audit_log(self) -> Path:
         return self.state / "logs" / "audit.jsonl"
 
-    def audit_events(self) -> list[dict]:
-        """Every request the API server has answered so far (needs audit=True)."""
+    def audit_events(self, since: int = 0) -> list[dict]:
+        """Every request the API server has answered so far (needs audit=True), or only those
+        logged after byte offset `since` (an earlier `audit_size()`)."""
         if not self.audit_log.exists():
             return []
-        return [json.loads(line) for line in self.audit_log.read_text().splitlines() if line.strip()]
+        with self.audit_log.open("rb") as f:
+            f.seek(since)
+            text = f.read().decode()
+        # The server may be mid-line: only complete lines count.
+        return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+    def audit_size(self) -> int:
+        """The end of the audit log's last complete line now: a mark for `audit_events(since=...)`."""
+        if not self.audit_log.exists():
+            return 0
+        with self.audit_log.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - 65536))
+            tail = f.read()
+        return size - len(tail) + tail.rfind(b"\n") + 1
 
     @property
     def kubeconfig(self) -> Path:

@@ -8,15 +8,21 @@ plus `--runner simulated` unless told to run the real model) and starts it. It s
 pod's Ready condition from the container's readinessProbe, restarts a container that exits
 (restartCount), and stops the process when the pod goes away. Nothing here is specific to
 a ModelService: it reads only the pod spec the operator wrote.
+
+One test hook that no kubelet has: `metrics_faults` puts a tiny TCP proxy (`FaultProxy`) in front
+of the engines of the named ModelServices, so a chaos test can make their `/metrics` serve
+garbage or nothing while everything else (readiness, the API) passes through untouched.
 """
 
 from __future__ import annotations
 
 import base64
 import os
+import selectors
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -48,6 +54,7 @@ class Engine:
     ready_url: str | None
     ready: bool = False
     restarts: int = 0
+    proxy: "FaultProxy | None" = None
 
 
 @dataclass
@@ -59,6 +66,8 @@ class Kubelet:
     default_runner: str = "simulated"
     owner_label: str = "serving.magnitude.dev/modelservice"
     extra_args: list[str] = field(default_factory=list)
+    # Test hook: ModelService name -> the fault its pods' /metrics serve (see MetricsFault).
+    metrics_faults: dict[str, "MetricsFault"] = field(default_factory=dict)
     engines: dict[str, Engine] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -109,6 +118,12 @@ class Kubelet:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO / "server"), str(REPO / "operator")])
         env.update(self._env(pod, container))
         argv = self.command_line(pod, container, mounts)
+        proxy = None
+        fault = self.metrics_faults.get((pod.metadata.labels or {}).get(self.owner_label, ""))
+        if fault is not None:
+            # The engine moves to a free port of the pod IP; the proxy takes the container's port.
+            argv, port, engine_port = _move_port(argv, pod.status.pod_ip)
+            proxy = FaultProxy(fault, (pod.status.pod_ip, port), (pod.status.pod_ip, engine_port))
         env = {k: _rewrite(v, mounts) for k, v in env.items()}
         log = open(self.workdir / f"{pod.metadata.namespace}_{pod.metadata.name}.log", "ab")
         log.write(f"# {now()} {shlex.join(argv)}\n".encode())
@@ -122,7 +137,7 @@ class Kubelet:
             port = _port(probe.http_get.port, container)
             ready_url = f"http://{pod.status.pod_ip}:{port}{probe.http_get.path or '/'}"
         engine = Engine(key=key, uid=pod.metadata.uid, ip=pod.status.pod_ip, proc=proc, argv=argv,
-                        ready_url=ready_url)
+                        ready_url=ready_url, proxy=proxy)
         old = self.engines.get(key)
         if old is not None:
             engine.restarts = old.restarts
@@ -218,6 +233,8 @@ class Kubelet:
         engine = self.engines.pop(key, None)
         if engine is None:
             return
+        if engine.proxy is not None:
+            engine.proxy.close()
         _end_group(engine.proc, 10.0)
 
     def stop(self) -> None:
@@ -231,6 +248,131 @@ class Kubelet:
         ns, name = key.split("/", 1)
         path = self.workdir / f"{ns}_{name}.log"
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def _move_port(argv: list[str], ip: str) -> tuple[list[str], int, int]:
+    """(argv with `--port` moved to a free port of `ip`, the old port, the new one)."""
+    i = argv.index("--port")
+    with socket.create_server((ip, 0)) as s:
+        free = s.getsockname()[1]
+    return argv[:i + 1] + [str(free)] + argv[i + 2:], int(argv[i + 1]), free
+
+
+class MetricsFault:
+    """What `GET /metrics` of one ModelService's pods serves through their FaultProxy: `pass`
+    (the engine's own answer), `garbage` (samples no consumer may use: a NaN ratio, a negative
+    gauge, a bucket without `le`) or `silent` (the request is read and never answered).
+    Changing the mode cuts the connections open through the proxies, so a client's pooled
+    keep-alive connection cannot go on seeing the previous mode."""
+
+    GARBAGE = (b"# served by the e2e stand-in's fault proxy\n"
+               b"magnitude_kv_cache_usage_ratio NaN\n"
+               b"magnitude_requests_waiting -3\n"
+               b'magnitude_queue_time_seconds_bucket{priority_class="standard"} 7\n')
+
+    def __init__(self) -> None:
+        self.mode = "pass"
+        self.metrics_requests = 0  # /metrics requests that met a fault (not `pass`)
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+
+    def set(self, mode: str) -> None:
+        assert mode in ("pass", "garbage", "silent"), mode
+        with self._lock:
+            self.mode = mode
+            doomed = list(self._open)
+        for sock in doomed:
+            _shut(sock)
+
+    def track(self, sock: socket.socket, on: bool) -> None:
+        with self._lock:
+            (self._open.add if on else self._open.discard)(sock)
+
+
+class FaultProxy:
+    """A tiny TCP proxy at a pod's address: each connection's first request decides. `/metrics`
+    under a fault is answered (or not) here; anything else is spliced to the engine byte for byte,
+    streams included."""
+
+    def __init__(self, fault: MetricsFault, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
+        self.fault, self.upstream = fault, upstream
+        self.server = socket.create_server(listen)
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, name=f"fault-proxy {listen}", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        _shut(self.server)
+        self.server.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        self.fault.track(conn, True)
+        try:
+            head = _read_head(conn)
+            path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+            mode = self.fault.mode
+            if path.startswith(b"/metrics") and mode != "pass":
+                self.fault.metrics_requests += 1
+                if mode == "garbage":
+                    body = MetricsFault.GARBAGE
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+                else:  # silent: hold the request until the client gives up or the mode changes
+                    while not self._closed.is_set() and conn.recv(4096):
+                        pass
+                return
+            with socket.create_connection(self.upstream, timeout=5) as up:
+                up.settimeout(None)
+                self.fault.track(up, True)
+                try:
+                    up.sendall(head)
+                    self._splice(conn, up)
+                finally:
+                    self.fault.track(up, False)
+        except OSError:
+            pass  # either side went away: a proxy has nothing to add
+        finally:
+            self.fault.track(conn, False)
+            conn.close()
+
+    def _splice(self, a: socket.socket, b: socket.socket) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(a, selectors.EVENT_READ, b)
+            sel.register(b, selectors.EVENT_READ, a)
+            while not self._closed.is_set():
+                for key, _ in sel.select(timeout=1.0):
+                    data = key.fileobj.recv(65536)
+                    if not data:
+                        return
+                    key.data.sendall(data)
+
+
+def _read_head(conn: socket.socket, limit: int = 65536) -> bytes:
+    """Bytes up to the end of the first request's headers (whatever else arrived comes too)."""
+    conn.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data and len(data) < limit:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    conn.settimeout(None)
+    return data
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _rewrite(value: str, mounts: dict[str, Path]) -> str:

@@ -2,7 +2,9 @@
 
 `Load` keeps `concurrency` requests in flight per target until stopped or `max_seconds`
 pass, re-reading the target list so new pods join in. It counts answers by HTTP status
-so the shedding scenario can see 429s for the shed class and 200s for the others.
+so the shedding scenario can see 429s for the shed class and 200s for the others. With
+`stream=True` each request streams, and a 200 counts only once the stream has ended with
+`[DONE]`: a stream cut midway counts as `CUT`, a connection that fails as 0.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Callable
 import httpx
 
 
+CUT = "cut"  # a streamed 200 that ended before `data: [DONE]`
+
+
 @dataclass
 class Load:
     targets: Callable[[], list[str]]  # base URLs, e.g. http://127.77.0.3:8000
@@ -23,6 +28,7 @@ class Load:
     max_tokens: int = 64
     priority_class: str | None = None
     max_seconds: float = 180.0
+    stream: bool = False
     statuses: Counter = field(default_factory=Counter)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -52,7 +58,7 @@ class Load:
                             "ignore_eos": True}
                     if self.priority_class:
                         body["priority_class"] = self.priority_class
-                    status = http.post(f"{url}/v1/completions", json=body).status_code
+                    status = self._send(http, url, body)
                 except httpx.HTTPError:
                     status = 0
                     time.sleep(0.2)
@@ -60,6 +66,18 @@ class Load:
                     self.statuses[status] += 1
                 if status == 429:
                     time.sleep(0.05)
+
+    def _send(self, http: httpx.Client, url: str, body: dict) -> int | str:
+        if not self.stream:
+            return http.post(f"{url}/v1/completions", json=body).status_code
+        with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+            if resp.status_code != 200:
+                return resp.status_code
+            last = ""
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    last = line
+            return 200 if last == "data: [DONE]" else CUT
 
     def stop(self) -> None:
         self._stop.set()
