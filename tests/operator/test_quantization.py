@@ -254,6 +254,23 @@ def test_judge(reports: tuple[q.PodReport, ...], reason: str) -> None:
     assert (verdict.degraded is not None) == (reason == q.REJECTED)
 
 
+def test_a_tick_without_records_keeps_the_verdict_until_the_spec_changes() -> None:
+    """A pod briefly unreachable must not flip Passed to Pending and back (an Event each time)."""
+    def build(prev: st.ModelServiceStatus | None, generation: int, reports: tuple[q.PodReport, ...] | None,
+              ) -> st.ModelServiceStatus:
+        obs = st.Observed(deployment=None, desired_replicas=1, service_version="v", selector="s", quantized=True,
+                          pod_reports=reports)
+        return st.build(prev, generation, obs, None, "2026-01-01T00:00:00Z")
+
+    def reason(s: st.ModelServiceStatus) -> str:
+        return next(c.reason for c in s.conditions if c.type == st.QUANTIZATION_VALIDATED)
+    passed = build(None, 1, (q.PodReport("a", record=REC),))
+    assert reason(passed) == q.PASSED
+    assert reason(build(passed, 1, ())) == q.PASSED and st.transitions(passed, build(passed, 1, ())) == []
+    assert reason(build(passed, 1, None)) == q.PASSED
+    assert reason(build(passed, 2, ())) == q.PENDING  # a new spec: the old verdict says nothing about it
+
+
 @pytest.mark.parametrize("garbage", [
     None, [], "passed", {"method": "w8a16"}, {**record(), "top1_agreement": "NaN"}, {**record(), "mean_kl": float("inf")},
     {**record(), "passed": "yes"}, {**record(), "probes_total": None}, {**record(), "failures": "all"},

@@ -156,21 +156,25 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
 
 def _quantization(conds: dict[str, Condition], obs: Observed, generation: int | None, now: str) -> str | None:
     """Set (or drop) QuantizationValidated; return what Degraded must say about it (None: nothing).
-    Without reports this time, the previous verdict stands, Degraded's part included."""
+    Without news the previous verdict stands, Degraded's part included: a reconcile that did not
+    read the pods (a change handler), or a tick in which no pod answered with a record while the
+    spec is unchanged (a pod briefly unreachable must not flap the condition and its Events)."""
     if not obs.quantized:
         conds.pop(QUANTIZATION_VALIDATED, None)
         return None
-    if obs.pod_reports is None:
-        prev, degraded = conds.get(QUANTIZATION_VALIDATED), conds.get(DEGRADED)
-        if prev is None:
-            _set(conds, QUANTIZATION_VALIDATED, "Unknown", q.PENDING, "no pod has been asked yet", generation, now)
-        if prev is not None and prev.reason == q.REJECTED and degraded is not None \
-                and degraded.reason == QUANTIZATION_REJECTED:
-            return degraded.message
-        return None
-    verdict = q.judge(obs.pod_reports)
-    _set(conds, QUANTIZATION_VALIDATED, verdict.status, verdict.reason, verdict.message, generation, now)
-    return verdict.degraded
+    prev, degraded = conds.get(QUANTIZATION_VALIDATED), conds.get(DEGRADED)
+    verdict = q.judge(obs.pod_reports) if obs.pod_reports is not None else None
+    no_news = verdict is None or (verdict.reason == q.PENDING and prev is not None and prev.reason != q.PENDING
+                                  and prev.observed_generation == generation)
+    if not no_news:
+        assert verdict is not None
+        _set(conds, QUANTIZATION_VALIDATED, verdict.status, verdict.reason, verdict.message, generation, now)
+        return verdict.degraded
+    if prev is None:
+        _set(conds, QUANTIZATION_VALIDATED, "Unknown", q.PENDING, "no pod has been asked yet", generation, now)
+    elif prev.reason == q.REJECTED and degraded is not None and degraded.reason == QUANTIZATION_REJECTED:
+        return degraded.message
+    return None
 
 
 def changed(prev: ModelServiceStatus | None, new: ModelServiceStatus) -> bool:
