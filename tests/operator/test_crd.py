@@ -94,6 +94,14 @@ INVALID = [
     ("negative KL bound", {"quantizationEvaluation": {"maxMeanKl": -0.01}}, "maxMeanKl"),
     ("chunk above budget", {"scheduler": {"tokenBudget": 256, "prefillChunkSize": 512}}, "prefillChunkSize"),
     ("min above max", {"minReplicas": 3, "maxReplicas": 2}, "minReplicas"),
+    ("apiKeys without its Secret", {"auth": {"mode": "apiKeys"}}, "apiKeysSecretRef"),
+    ("a keys Secret without apiKeys", {"auth": {"mode": "trustedGateway",
+                                                "apiKeysSecretRef": {"name": "keys", "key": "k"}}}, "apiKeysSecretRef"),
+    ("a keys Secret with the default mode", {"auth": {"apiKeysSecretRef": {"name": "keys", "key": "k"}}},
+     "apiKeysSecretRef"),
+    ("bad auth mode", {"auth": {"mode": "oauth"}}, "mode"),
+    ("Secret key with a slash", {"auth": {"mode": "apiKeys", "apiKeysSecretRef": {"name": "keys", "key": "a/b"}}},
+     "key"),
     ("unknown default class", {"scheduler": {"defaultPriorityClass": "gold"}}, "defaultPriorityClass"),
     ("duplicate class", {"scheduler": {"priorityClasses": [{"name": "a", "priority": 0}, {"name": "a", "priority": 1}],
                                        "defaultPriorityClass": "a"}}, "priorityClasses"),
@@ -131,3 +139,11 @@ def test_explicit_null_chunk_is_accepted(crd_validate: Any) -> None:
     spec = {**MINIMAL, "scheduler": {"prefillChunkSize": None, "itlTargetMs": 50}}
     assert crd_validate(model_service(spec))[1] == []
     assert ModelServiceSpec.model_validate(spec).scheduler.prefill_chunk_size is None
+
+
+@pytest.mark.parametrize("auth", [{}, {"mode": "none"}, {"mode": "trustedGateway"},
+                                  {"mode": "apiKeys", "apiKeysSecretRef": {"name": "llm-keys", "key": "keys.yaml"}}])
+def test_auth_modes_validate(crd_validate: Any, auth: dict[str, Any]) -> None:
+    defaulted, errors = crd_validate(model_service({**MINIMAL, "auth": auth}))
+    assert errors == [] and defaulted["spec"]["auth"]["mode"] == auth.get("mode", "none")
+    assert ModelServiceSpec.model_validate({**MINIMAL, "auth": auth}).auth.mode == auth.get("mode", "none")

@@ -211,3 +211,36 @@ def test_admin_token_is_derived_and_its_secret_is_named_after_it() -> None:
     assert base64.b64decode(secret["data"][n.ADMIN_TOKEN_KEY]).decode() == one.token
     env = {e["name"]: e for e in container(d.build_deployment(one, spec(), 1))["env"]}
     assert env[n.ADMIN_TOKEN_ENV]["valueFrom"]["secretKeyRef"] == {"name": one.admin_secret, "key": n.ADMIN_TOKEN_KEY}
+
+
+def test_auth_mode_reaches_the_engine_and_api_keys_mount_their_secret_as_a_folder() -> None:
+    for mode in ("none", "trustedGateway"):
+        dep = d.build_deployment(OWNER, spec(auth={"mode": mode}), 1)
+        env = {e["name"]: e.get("value") for e in container(dep)["env"]}
+        assert env[n.AUTH_MODE_ENV] == mode and n.API_KEYS_FILE_ENV not in env
+        assert n.API_KEYS_VOLUME not in [v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]]
+    assert {e["name"]: e.get("value") for e in container(d.build_deployment(OWNER, spec(), 1))["env"]}[
+        n.AUTH_MODE_ENV] == "none"  # the default is said, not left to the engine's
+    dep = d.build_deployment(OWNER, spec(auth={"mode": "apiKeys", "apiKeysSecretRef": {"name": "keys", "key": "k.yaml"}}), 1)
+    c, pod = container(dep), dep["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env[n.AUTH_MODE_ENV] == "apiKeys"
+    assert "MAGNITUDE_API_KEY" not in env  # the engine refuses the shared key together with apiKeys
+    volume = next(v for v in pod["volumes"] if v["name"] == n.API_KEYS_VOLUME)
+    assert volume["secret"] == {"secretName": "keys", "items": [{"key": "k.yaml", "path": n.API_KEYS_FILE}]}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == n.API_KEYS_VOLUME)
+    # The whole folder, read-only: a subPath mount is never updated, so rotation would need a restart.
+    assert mount == {"name": n.API_KEYS_VOLUME, "mountPath": n.API_KEYS_DIR, "readOnly": True}
+    assert env[n.API_KEYS_FILE_ENV] == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+    assert n.API_KEYS_DIR not in writable_dirs(dep) and not n.API_KEYS_DIR.startswith(n.CONFIG_DIR + "/")
+
+
+def test_the_keys_secret_is_named_in_the_pod_template_never_its_content() -> None:
+    """Rotation is an edit of the Secret: the template (and so the pods) depends on the reference
+    only, and a new reference rolls the pods (the mount changes)."""
+    ref = {"name": "keys", "key": "k.yaml"}
+    one = d.build_deployment(OWNER, spec(auth={"mode": "apiKeys", "apiKeysSecretRef": ref}), 1)
+    assert one == d.build_deployment(OWNER, spec(auth={"mode": "apiKeys", "apiKeysSecretRef": dict(ref)}), 1)
+    other = d.build_deployment(OWNER, spec(auth={"mode": "apiKeys", "apiKeysSecretRef": {**ref, "name": "keys2"}}), 1)
+    assert other["spec"]["template"] != one["spec"]["template"]
+    assert service_version(spec(auth={"mode": "apiKeys", "apiKeysSecretRef": ref})) == service_version(spec())

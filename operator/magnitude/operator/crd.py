@@ -52,6 +52,13 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "fieldPath": ".defaultPriorityClass",
         },
     ],
+    "Auth": [
+        {
+            "rule": "self.mode == 'apiKeys' ? has(self.apiKeysSecretRef) : !has(self.apiKeysSecretRef)",
+            "message": "apiKeysSecretRef is required when mode is apiKeys and not allowed with any other mode",
+            "fieldPath": ".apiKeysSecretRef",
+        },
+    ],
     "LoadShedding": [
         {
             "rule": "self.kvUsageOff <= self.kvUsageOn",

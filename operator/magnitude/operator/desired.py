@@ -130,6 +130,9 @@ def _env(spec: ModelServiceSpec, owner: Owner, version: str) -> list[dict[str, A
         },
     ]
     env += [{"name": k, "value": v} for k, v in WRITABLE_ENV.items()]
+    env.append({"name": n.AUTH_MODE_ENV, "value": spec.auth.mode})
+    if spec.auth.api_keys_secret_ref is not None:
+        env.append({"name": n.API_KEYS_FILE_ENV, "value": f"{n.API_KEYS_DIR}/{n.API_KEYS_FILE}"})
     if spec.model.revision:
         env.append({"name": "MAGNITUDE_MODEL_REVISION", "value": spec.model.revision})
     if spec.draft_model is not None:
@@ -138,6 +141,22 @@ def _env(spec: ModelServiceSpec, owner: Owner, version: str) -> list[dict[str, A
         if spec.draft_model.revision:
             env.append({"name": "MAGNITUDE_DRAFT_MODEL_REVISION", "value": spec.draft_model.revision})
     return env
+
+
+def _auth_volumes(spec: ModelServiceSpec) -> list[dict[str, Any]]:
+    """The keys Secret of `auth.mode: apiKeys`, only its one key, under a fixed file name. The pod
+    template names the Secret, never its content, so editing the Secret rolls nothing: the kubelet
+    updates the mounted file and the engine re-reads it."""
+    ref = spec.auth.api_keys_secret_ref
+    if ref is None:
+        return []
+    return [{"name": n.API_KEYS_VOLUME, "secret": {
+        "secretName": ref.name, "items": [{"key": ref.key, "path": n.API_KEYS_FILE}]}}]
+
+
+def _auth_mounts(spec: ModelServiceSpec) -> list[dict[str, Any]]:
+    # The whole folder, never subPath: the kubelet never updates a subPath mount, so rotation would need a restart.
+    return [{"name": n.API_KEYS_VOLUME, "mountPath": n.API_KEYS_DIR, "readOnly": True}] if _auth_volumes(spec) else []
 
 
 def _resources(spec: ModelServiceSpec) -> dict[str, Any]:
@@ -200,14 +219,14 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
         "livenessProbe": _probe("/healthz", 10, 6, timeout=5),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "volumeMounts": [{"name": "engine-config", "mountPath": n.CONFIG_DIR, "readOnly": True}]
-        + [{"name": name, "mountPath": path} for name, path in WRITABLE_VOLUMES.items()],
+        + [{"name": name, "mountPath": path} for name, path in WRITABLE_VOLUMES.items()] + _auth_mounts(spec),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                             "readOnlyRootFilesystem": True},
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [{"name": "engine-config", "configMap": {"name": n.config_map_name(owner.name)}}]
-        + [{"name": name, "emptyDir": {}} for name in WRITABLE_VOLUMES],
+        + [{"name": name, "emptyDir": {}} for name in WRITABLE_VOLUMES] + _auth_volumes(spec),
         # The engine never calls the Kubernetes API: a token in the pod is only something to steal.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),

@@ -23,6 +23,13 @@ ADMIN_TOKEN_ENV = "MAGNITUDE_ADMIN_TOKEN"
 # The engine's root filesystem is read-only; these emptyDirs are the only places it writes.
 CACHE_DIR = "/var/cache/magnitude"  # converted models (MAGNITUDE_CACHE), HF_HOME, XDG_CACHE_HOME
 TMP_DIR = "/tmp"
+# spec.auth: the engine's mode, and for apiKeys the keys Secret mounted as a whole folder (a subPath
+# mount is never updated by the kubelet, and rotation must need no restart).
+AUTH_MODE_ENV = "MAGNITUDE_AUTH_MODE"
+API_KEYS_FILE_ENV = "MAGNITUDE_API_KEYS_FILE"
+API_KEYS_VOLUME = "api-keys"
+API_KEYS_DIR = "/etc/magnitude-auth"
+API_KEYS_FILE = "keys.yaml"  # the engine parses JSON or YAML by content, not by name
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server
 
 

@@ -138,6 +138,45 @@ class NetworkPolicySpec(PolicyModel):
         description="Namespaces whose pods (Prometheus) may scrape the engine port.")
 
 
+# The engine's auth modes (server/magnitude/server/auth.py AUTH_MODES; docs/server.md).
+AuthMode = Literal["none", "apiKeys", "trustedGateway"]
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+
+
+class SecretKeyRef(PolicyModel):
+    """One key of a Secret in the ModelService's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN, description="The Secret's name.")
+    key: str = Field(min_length=1, max_length=253, pattern=SECRET_KEY, description="The key within the Secret.")
+
+
+class Auth(PolicyModel):
+    """Who the caller is: the engine's `--auth-mode` (docs/server.md, "Authentication and tenants")."""
+
+    mode: AuthMode = Field(
+        default="none",
+        description="none: tenant and priority class are the client's claims (trust every client); apiKeys: "
+        "each request's key (Authorization: Bearer) decides them, from the keys file in apiKeysSecretRef; "
+        "trustedGateway: believe X-Magnitude-Tenant/X-Magnitude-Priority-Class from a gateway in front (only "
+        "sound when clients reach the pods through it alone, see networkPolicy).",
+    )
+    api_keys_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="mode apiKeys only (required there): the Secret key holding the keys file (YAML or JSON, "
+        "`keys: [{key, tenant, priorityClasses, defaultPriorityClass}]`). Mounted read-only as a volume, so "
+        "editing the Secret rotates keys without restarting pods. The operator never reads it.",
+    )
+
+    @model_validator(mode="after")
+    def _secret_ref_with_api_keys_only(self) -> "Auth":
+        if self.mode == "apiKeys" and self.api_keys_secret_ref is None:
+            raise ValueError("auth.apiKeysSecretRef is required when auth.mode is apiKeys")
+        if self.mode != "apiKeys" and self.api_keys_secret_ref is not None:
+            raise ValueError(f"auth.apiKeysSecretRef is only used with auth.mode apiKeys, not {self.mode}")
+        return self
+
+
 class ModelServiceSpec(EngineConfig):
     """`spec` of a ModelService: the engine policy (inherited) plus model, resources and scaling."""
 
@@ -180,6 +219,7 @@ class ModelServiceSpec(EngineConfig):
         default=30, ge=0, le=3600, description="Time a terminating pod keeps serving in-flight streams."
     )
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    auth: Auth = Field(default_factory=Auth)
 
     @model_validator(mode="after")
     def _check_serving_fields(self) -> "ModelServiceSpec":

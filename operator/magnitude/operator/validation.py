@@ -19,6 +19,12 @@ ENGINE_LOADS_DRAFT_MODELS = False
 CPU_ONLY_QUANTIZATIONS = frozenset({"w8a8", "w8a16", "int8"})
 
 
+# `magnitude serve` flags that spec.auth sets through the environment: the same flag in extraArgs
+# would win over it without a word (a flag beats its environment variable).
+AUTH_FLAGS = ("--auth-mode", "--api-keys-file")
+API_KEY_FLAG = "--api-key"
+
+
 @dataclass(frozen=True)
 class Problem:
     field: str
@@ -48,10 +54,34 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
             problems.append(Problem("spec.draftModel.numSpeculativeTokens",
                                     f"{spec.draft_model.num_speculative_tokens} exceeds "
                                     f"spec.scheduler.maxLookaheadTokens {spec.scheduler.max_lookahead_tokens}"))
+    problems += _auth_problems(spec)
     sp = spec.scheduler
     if sp.prefill_chunk_size is None and sp.itl_target_ms is not None:
         problems.append(Problem("spec.scheduler.itlTargetMs",
                                 "deriving prefillChunkSize needs a cost model measured on the serving hardware, "
                                 "which engine pods do not carry yet: set spec.scheduler.prefillChunkSize "
                                 "(`magnitude profile --itl-target` prints it)"))
+    return problems
+
+
+def _names_flag(arg: str, flag: str) -> bool:
+    """Whether an extraArgs entry sets `flag`: `--flag`, `--flag=v`, or an abbreviation argparse
+    would accept (`--auth` for `--auth-mode`), except the exact name of another flag."""
+    given = arg.split("=", 1)[0]
+    if given == flag:
+        return True
+    exact = (*AUTH_FLAGS, API_KEY_FLAG)
+    return len(given) > 2 and given.startswith("--") and flag.startswith(given) and given not in exact
+
+
+def _auth_problems(spec: ModelServiceSpec) -> list[Problem]:
+    problems: list[Problem] = []
+    for flag in AUTH_FLAGS:
+        if any(_names_flag(a, flag) for a in spec.extra_args):
+            problems.append(Problem("spec.extraArgs",
+                                    f"{flag} would override spec.auth without a word; set spec.auth instead"))
+    if spec.auth.mode == "apiKeys" and any(_names_flag(a, API_KEY_FLAG) for a in spec.extra_args):
+        problems.append(Problem("spec.extraArgs",
+                                f"{API_KEY_FLAG} cannot be combined with spec.auth.mode apiKeys (the engine refuses "
+                                "to start): every key in the keys Secret already authenticates its tenant"))
     return problems
