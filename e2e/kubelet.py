@@ -2,7 +2,7 @@
 
 kwok makes pods Running and gives them a loopback pod IP (see kwok-stages.yaml) but runs
 nothing. This loop does the part of a kubelet the operator can observe: for every Running
-pod on the kwok node it materialises the pod's ConfigMap/Secret volumes and env, rewrites
+pod on the kwok node it materialises the pod's ConfigMap/Secret volumes (Secret volumes kept current) and env, rewrites
 the container's own command line (mount paths -> local folders, listen host -> pod IP,
 plus `--runner simulated` unless told to run the real model) and starts it. It sets the
 pod's Ready condition from the container's readinessProbe, restarts a container that exits
@@ -55,6 +55,7 @@ class Engine:
     ready: bool = False
     restarts: int = 0
     proxy: "FaultProxy | None" = None
+    secrets: list = field(default_factory=list)  # (V1SecretVolumeSource, local folder) to keep current
 
 
 @dataclass
@@ -113,7 +114,8 @@ class Kubelet:
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
         container = pod.spec.containers[0]
-        mounts = self._volumes(pod, container, root)
+        secrets: list = []
+        mounts = self._volumes(pod, container, root, secrets)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO / "server"), str(REPO / "operator")])
         env.update(self._env(pod, container))
@@ -137,7 +139,7 @@ class Kubelet:
             port = _port(probe.http_get.port, container)
             ready_url = f"http://{pod.status.pod_ip}:{port}{probe.http_get.path or '/'}"
         engine = Engine(key=key, uid=pod.metadata.uid, ip=pod.status.pod_ip, proc=proc, argv=argv,
-                        ready_url=ready_url, proxy=proxy)
+                        ready_url=ready_url, proxy=proxy, secrets=secrets)
         old = self.engines.get(key)
         if old is not None:
             engine.restarts = old.restarts
@@ -159,7 +161,9 @@ class Kubelet:
             argv += ["--runner", runner]
         return argv + self.extra_args
 
-    def _volumes(self, pod, container, root: Path) -> dict[str, Path]:
+    def _volumes(self, pod, container, root: Path, secrets: list) -> dict[str, Path]:
+        """Local folders for the container's mounts; Secret volumes also go into `secrets` (kept
+        up to date while the pod runs, as a kubelet does for every mount but a subPath)."""
         by_name = {v.name: v for v in pod.spec.volumes or []}
         mounts: dict[str, Path] = {}
         for mount in container.volume_mounts or []:
@@ -173,14 +177,27 @@ class Kubelet:
                 for k, v in (cm.data or {}).items():
                     (local / k).write_text(v)
             elif vol.secret is not None:
-                sec = self.core.read_namespaced_secret(vol.secret.secret_name, pod.metadata.namespace)
-                for k, v in (sec.data or {}).items():
-                    (local / k).write_bytes(base64.b64decode(v))
+                self._write_secret(vol.secret, pod.metadata.namespace, local)
+                secrets.append((vol.secret, local))
             elif vol.projected is not None or vol.empty_dir is not None:
                 pass  # service-account token / scratch space: an empty folder is enough here
             target = local / mount.sub_path if mount.sub_path else local
             mounts[mount.mount_path] = target
         return mounts
+
+    def _write_secret(self, source, namespace: str, local: Path) -> None:
+        """The Secret's keys (or only its `items`, under their paths) as files; a file is replaced
+        atomically and only when its content changed, so a reader never sees half a file."""
+        data = self.core.read_namespaced_secret(source.secret_name, namespace).data or {}
+        files = {i.path: data[i.key] for i in source.items} if source.items else data
+        for path, value in files.items():
+            target, content = local / path, base64.b64decode(value)
+            if target.exists() and target.read_bytes() == content:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp")
+            tmp.write_bytes(content)
+            tmp.replace(target)
 
     def _env(self, pod, container) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -207,6 +224,12 @@ class Kubelet:
             self._kill(engine.key)
             engine = self._launch(pod)
             engine.restarts = restarts
+        for source, local in engine.secrets:  # a Secret edited while the pod runs reaches its files
+            try:
+                self._write_secret(source, pod.metadata.namespace, local)
+            except Exception as err:  # a missing Secret must not stop the other pods' sync
+                self.errors.append(f"{now()} {engine.key}: secret {source.secret_name}: {err!r}")
+                del self.errors[:-50]
         ready = engine.ready_url is None or _http_ok(engine.ready_url)
         current = {c.type: c.status for c in pod.status.conditions or []}
         statuses = pod.status.container_statuses or []
