@@ -410,3 +410,35 @@ def test_9_operator_runs_under_the_charts_service_account(kube, operator) -> Non
     # Everything above ran with this operator: nothing in its log says "forbidden".
     logs = "".join(p.read_text(errors="replace") for p in operator.logdir.glob("operator-*.log"))
     assert "forbidden" not in logs.lower(), [ln for ln in logs.splitlines() if "forbidden" in ln.lower()][:5]
+
+
+# -- 10. quantized weights below their evaluation thresholds (issue 10) ------------------
+def test_10_a_quantization_below_its_thresholds_is_refused_and_reported(kube, operator, kubelet) -> None:
+    """The real model, w8a16, with a top-1 agreement threshold it cannot meet (it measures about
+    0.97): the engine evaluates, refuses to serve (/readyz phase quantization_rejected), stays
+    alive, and the operator reads the not-ready pod's record into QuantizationValidated and
+    Degraded with the numbers."""
+    name = "w8a16-strict"
+    doc = yaml.safe_load(cpu_example().read_text())
+    doc["metadata"] = {"name": name, "namespace": NS}
+    doc["spec"].update(quantization="w8a16", dtype="float32", replicas=1,
+                       quantizationEvaluation={"minTop1Agreement": 0.999}, modelLoadTimeoutSeconds=900)
+    kubelet.runner_for[name] = "real"
+    try:
+        kube.apply(doc)
+
+        def rejected() -> dict | None:
+            ms = msvc(kube, name)
+            return ms if (condition(ms, "QuantizationValidated") or {}).get("reason") == "Rejected" else None
+        ms = wait_for("QuantizationValidated Rejected", rejected, 480, interval=2.0,
+                      on_timeout=debug(kube, operator, kubelet, name))
+        degraded = condition(ms, "Degraded")
+        assert degraded["status"] == "True" and degraded["reason"] == "QuantizationRejected", degraded
+        assert "minTop1Agreement 0.999" in degraded["message"] and "w8a16: top-1 agreement" in degraded["message"]
+        assert condition(ms, "Ready")["status"] == "False"
+        wait_for("a QuantizationRejected Warning Event", lambda: "QuantizationRejected" in reasons(kube, name), 30)
+        [pod] = pods(kube, name)
+        assert (condition(pod, "Ready") or {}).get("status") != "True"
+    finally:
+        kubelet.runner_for.pop(name, None)
+        delete_and_wait(kube, name, 120)
