@@ -9,7 +9,7 @@ from magnitude.engine.sampling import SamplingParams
 
 torch = pytest.importorskip("torch")
 
-from magnitude.runner.sampling import Sampler, filter_logits  # noqa: E402
+from magnitude.runner.sampling import Sampler, adjust_logits, filter_logits  # noqa: E402
 
 VOCAB = 50
 
@@ -158,3 +158,87 @@ def test_a_nucleus_too_small_for_float32_is_the_top_token(top_p):
     kept = [torch.isfinite(row).nonzero()[:, 0].tolist() for row in filter_logits(logits, params)]
     assert kept == [[int(i)] for i in torch.argmax(logits, -1)]
     assert Sampler(torch.device("cpu"), seed=0).choose(logits, params, [0] * 3) == torch.argmax(logits, -1).tolist()
+
+
+# -- penalties, logit_bias, min_p -------------------------------------------------------------------
+
+
+def test_penalties_change_exactly_the_seen_tokens_of_their_own_row():
+    logits = _logits(3, seed=4)
+    prompt, generated = [1, 2], [3, 3, 4]
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5),
+              SamplingParams(),  # untouched though batched with penalized rows
+              SamplingParams(frequency_penalty=-1.0)]
+    histories = [(prompt, generated), ([5], [5, 6]), ([], [7, 7])]
+    out = adjust_logits(logits, params, histories)
+    expected = logits[0].clone()
+    for t in (1, 2, 3, 4):  # repetition: prompt and output tokens
+        expected[t] = expected[t] / 1.5 if expected[t] > 0 else expected[t] * 1.5
+    expected[3] -= 0.5 + 0.25 * 2  # presence once, frequency per occurrence (outputs only)
+    expected[4] -= 0.5 + 0.25
+    assert torch.allclose(out[0], expected)
+    assert torch.equal(out[1], logits[1])
+    assert torch.allclose(out[2, 7], logits[2, 7] + 2.0)
+    assert torch.equal(torch.cat([out[2, :7], out[2, 8:]]), torch.cat([logits[2, :7], logits[2, 8:]]))
+
+
+def test_logit_bias_steers_greedy_and_random_rows_and_stays_in_its_row():
+    logits = _logits(3, seed=6)
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    banned_top = int(torch.argmax(logits[0]))
+    params = [SamplingParams(temperature=0.0, logit_bias={banned_top: -100.0}),
+              SamplingParams(temperature=1.0, logit_bias={11: 100.0}),
+              SamplingParams(temperature=0.0)]
+    tokens = sampler.choose(logits, params, [0, 0, 0])
+    assert tokens[0] == int(torch.topk(logits[0], 2).indices[1])  # the runner-up
+    assert tokens[1] == 11
+    assert tokens[2] == int(torch.argmax(logits[2]))
+
+
+def test_a_penalized_greedy_decode_does_not_repeat_itself():
+    # Teacher-free loop on fixed logits: without a penalty greedy repeats its argmax forever.
+    logits = _logits(1, seed=8)
+    sampler = Sampler(torch.device("cpu"))
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0, repetition_penalty=10.0)
+    out: list[int] = []
+    for step in range(5):
+        out.append(sampler.choose(logits.clone(), [params], [step], [([], out)])[0])
+    assert len(set(out)) == 5
+    assert out[0] == int(torch.argmax(logits[0]))
+
+
+def test_penalties_without_the_history_fail_instead_of_being_skipped():
+    with pytest.raises(ValueError, match="penalties need"):
+        Sampler(torch.device("cpu")).choose(_logits(1), [SamplingParams(presence_penalty=1.0)], [0])
+
+
+def test_min_p_keeps_the_tokens_at_least_that_fraction_of_the_top():
+    logits = _logits(2, seed=9)
+    params = [SamplingParams(temperature=0.7, min_p=0.2), SamplingParams(temperature=0.7)]
+    out = filter_logits(logits, params)
+    probs = torch.softmax(logits[0] / 0.7, -1)
+    assert set(torch.isfinite(out[0]).nonzero()[:, 0].tolist()) == set((probs >= 0.2 * probs.max()).nonzero()[:, 0].tolist())
+    assert torch.isfinite(out[1]).all()
+
+
+def test_min_p_draws_follow_the_renormalised_distribution():
+    logits = _logits(1, seed=10)[0] / 3
+    params = SamplingParams(temperature=1.0, min_p=0.3)
+    probs = torch.softmax(logits, -1)
+    kept = probs >= 0.3 * probs.max()
+    expected = torch.where(kept, probs, torch.zeros_like(probs))
+    expected = expected / expected.sum()
+    sampler = Sampler(torch.device("cpu"), seed=11)
+    n = 4000
+    tokens = [sampler.choose(logits[None].clone(), [params], [0])[0] for _ in range(n)]
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
+    assert set(counts.nonzero()[:, 0].tolist()) <= set(kept.nonzero()[:, 0].tolist())
+    sigma = (n * expected * (1 - expected)).sqrt().double()
+    assert bool(((counts - n * expected.double()).abs() <= 3.5 * sigma + 1).all())
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=2.5), dict(frequency_penalty=-2.1), dict(repetition_penalty=0.0),
+                                dict(min_p=1.1), dict(logit_bias={3: 101.0}), dict(logit_bias={-1: 1.0})])
+def test_out_of_range_adjustments_are_refused(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SamplingParams(**kw)

@@ -148,3 +148,27 @@ def test_prefix_cache_hit_shows_in_timeline_and_timing(model_server: RunningServ
     for t in timings:
         total = sum(t[k] or 0.0 for k in ("queue_time_ms", "loading_ms", "preparation_ms", "prefill_ms", "decode_ms", "preempted_ms"))
         assert abs(total - t["e2e_ms"]) <= 0.007
+
+
+def test_logit_bias_and_penalties_steer_the_real_model(model_server: RunningServer) -> None:
+    # Greedy, so each difference is the adjustment's doing: a banned first token is not produced,
+    # and a frequency penalty stops "1, 1, 1, ..." style repetition of the prompt's pattern.
+    c = client(model_server)
+    messages = [{"role": "user", "content": "Repeat after me: yes yes yes yes yes yes yes yes"}]
+    plain = c.chat.completions.create(model=model_id(model_server), messages=messages, max_tokens=12, temperature=0,
+                                      logprobs=True)
+    first = plain.choices[0].logprobs.content[0]  # type: ignore[union-attr]
+    first_id = client_token_id(model_server, first.token)
+    banned = c.chat.completions.create(model=model_id(model_server), messages=messages, max_tokens=12, temperature=0,
+                                       logprobs=True, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.content[0].token != first.token  # type: ignore[union-attr]
+    penalized = c.chat.completions.create(model=model_id(model_server), messages=messages, max_tokens=12, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0)
+    repeats = (plain.choices[0].message.content or "").lower().count("yes")
+    assert repeats > 2  # the unpenalized model does repeat
+    assert (penalized.choices[0].message.content or "").lower().count("yes") < repeats
+
+
+def client_token_id(s: RunningServer, token: str) -> int:
+    tokenizer = s.engine.renderer.tokenizer  # type: ignore[union-attr]
+    return tokenizer.convert_tokens_to_ids(tokenizer.convert_ids_to_tokens(tokenizer.encode(token, add_special_tokens=False))[0])

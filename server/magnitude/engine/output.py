@@ -34,6 +34,10 @@ class ScheduledSeq:
     sampling: SamplingParams
     num_output_tokens: int = 0  # tokens generated so far (seeded samplers use it as the step index)
     num_lookahead: int = 0
+    # The request's prompt and generated tokens so far, for penalties (the scheduler's own lists,
+    # not copies: read during the step, appended to only after it).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # unless logits tie within 1e-5, and dividing by a temperature near float32's smallest values
 # (1e-40 is subnormal) overflows the logits to inf, which no sampler can draw from.
 GREEDY_TEMPERATURE = 1e-5
+MAX_REPETITION_PENALTY = 10.0  # beyond this every seen token is banned in effect; likely a unit mistake
 
 
 @dataclass(slots=True)
@@ -19,6 +20,14 @@ class SamplingParams:
     not returned); `stop_token_ids` end the request after that token, which is not returned either. `ignore_eos` generates exactly
     `max_tokens` (benchmarks). `logprobs` is the number of top alternatives to return per token
     (None: no logprobs).
+
+    Logit adjustments, applied to greedy and random rows alike before any filter (vLLM's
+    semantics): `repetition_penalty` (>1 discourages every token already in the prompt or the
+    output: positive logits divided by it, negative ones multiplied), `frequency_penalty` (minus
+    this times the token's count in the output) and `presence_penalty` (minus this once the token
+    is in the output), then `logit_bias` (token id -> added to its logit; -100 bans, +100
+    all but forces). `min_p` keeps the tokens at least `min_p` times as likely as the most likely
+    one (after temperature).
     """
 
     max_tokens: int = 16
@@ -30,6 +39,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +56,26 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for token, bias in self.logit_bias.items():
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias must map token ids >= 0 to values in [-100, 100], got {token}: {bias}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the next token depends on the tokens so far (the sampler then needs them)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the model's logits are changed before choosing (greedy rows too)."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -509,6 +509,8 @@ class Scheduler:
                 req.sampling,
                 len(req.output_token_ids),
                 step.lookahead.get(rid, 0),
+                req.prompt_token_ids or [],
+                req.output_token_ids,
             )
             (decodes if sample and n == 1 else chunks).append(seq)
         decodes.extend(chunks)

@@ -30,7 +30,7 @@ from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_page
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.quantize import CALIBRATION_TEXT, check_quantization, quantize_linears
-from magnitude.runner.sampling import Sampler, accept_drafts
+from magnitude.runner.sampling import History, Sampler, accept_drafts
 
 log = logging.getLogger("magnitude.runner")
 
@@ -198,7 +198,9 @@ class ModelRunner:
         return None
 
     def _drafts(self, s: ScheduledSeq) -> list[int]:
-        if not (s.sample and s.num_lookahead > 0 and self.draft_proposer is not None):
+        # Rows whose logits are adjusted get no drafts: greedy verification compares drafts with the
+        # raw argmax, and a penalty's counts would have to include the drafts before them.
+        if not (s.sample and s.num_lookahead > 0 and self.draft_proposer is not None) or s.sampling.adjusts_logits:
             return []
         drafts: list[int] = []
         for t in list(self.draft_proposer.propose(s, s.num_lookahead))[: s.num_lookahead]:
@@ -278,7 +280,8 @@ class ModelRunner:
             r += len(w.drafts) + 1
         params = [w.seq.sampling for w in samplers]
         steps = [w.seq.num_output_tokens for w in samplers]
-        first = self._sample_rows(logits[first_rows], params, steps, samplers, out)
+        histories = [(w.seq.prompt_token_ids, w.seq.output_token_ids) for w in samplers]
+        first = self._sample_rows(logits[first_rows], params, steps, histories, samplers, out)
         for i, w in enumerate(samplers):
             if first[i] is None:
                 continue  # failed alone, in out.failed
@@ -292,17 +295,18 @@ class ModelRunner:
             out.sampled[w.seq.request_id] = tokens
 
     def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-                     samplers: list[_Work], out: RunnerOutput) -> list[SampledToken | None]:
+                     histories: list[History], samplers: list[_Work], out: RunnerOutput) -> list[SampledToken | None]:
         """The batched sample; if it raises, each row again alone, so that a row that cannot be
         sampled fails its own request (in `out.failed`) instead of the whole step."""
         try:
-            return list(self.sampler.sample(logits, params, steps))
+            return list(self.sampler.sample(logits, params, steps, histories))
         except Exception:  # noqa: BLE001 - isolated below, row by row
             pass
         tokens: list[SampledToken | None] = []
         for i, w in enumerate(samplers):
             try:
-                tokens.append(self.sampler.sample(logits[i : i + 1], params[i : i + 1], steps[i : i + 1])[0])
+                tokens.append(self.sampler.sample(logits[i : i + 1], params[i : i + 1], steps[i : i + 1],
+                                                  histories[i : i + 1])[0])
             except Exception as exc:  # noqa: BLE001 - this row's request fails, not the step
                 log.warning("sampling failed for %s: %s", w.seq.request_id, exc)
                 out.failed[w.seq.request_id] = f"sampling failed: {exc}"

@@ -8,6 +8,9 @@ looks for the nucleus among the NUCLEUS_CANDIDATES most likely tokens and sorts 
 only for the rows whose nucleus is wider; the nucleus is a probability threshold, so tied tokens
 at its edge all stay (as top-k keeps ties with the k-th value). 32 rows of a 49k vocabulary, 2 threads
 (`bench/sampler_bench.py`): top-p 0.9 took 166 ms row by row (full sort + `multinomial`), 27 ms here.
+Penalties and `logit_bias` change the logits of greedy and random rows before anything else:
+token counts per row come from one `index_put_` over the flattened histories, so a batch costs a
+few [R, V] tensor ops whatever its mix. `min_p` is a filter beside top-k and top-p.
 Logprobs are those of the model's raw distribution (before temperature / top-k / top-p), as
 OpenAI reports them. Stop token ids and stop strings are the scheduler's and output processor's.
 A row that cannot be sampled (NaN or +inf logits from the model) raises ValueError naming it,
@@ -15,6 +18,8 @@ greedy or not; the runner then fails only that row's request (`ModelRunner._samp
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -24,6 +29,9 @@ from magnitude.engine.sampling import SamplingParams
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the 64-bit space
 NUCLEUS_CANDIDATES = 1024
 
+# (prompt token ids, generated token ids) of one row's request: what penalties look at.
+History = tuple[Sequence[int], Sequence[int]]
+
 
 def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
@@ -31,12 +39,61 @@ def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Gener
     return g
 
 
+def token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(seqs), vocab] float32: how often each token occurs in each sequence."""
+    counts = torch.zeros(len(seqs), vocab, device=device)
+    lengths = torch.tensor([len(q) for q in seqs], device=device)
+    if int(lengths.sum()) == 0:
+        return counts
+    ids = torch.tensor([t for q in seqs for t in q], dtype=torch.long, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
+    return counts
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: Sequence[History] | None) -> torch.Tensor:
+    """Repetition, frequency and presence penalties, then `logit_bias`, on the rows whose params
+    ask for them (float32 logits [R, V]); returns `logits` itself when no row does."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    out = logits.clone()
+    device, vocab = logits.device, logits.shape[-1]
+    penalized = [i for i in rows if params[i].penalized]
+    if penalized:
+        if histories is None:
+            raise ValueError(f"sampling rows {penalized}: penalties need the request's tokens")
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(params[i], name) for i in penalized], dtype=out.dtype, device=device)[:, None]
+
+        generated = token_counts([histories[i][1] for i in penalized], vocab, device)
+        seen = (generated > 0) | (token_counts([histories[i][0] for i in penalized], vocab, device) > 0)
+        x = out[penalized]
+        rep = column("repetition_penalty")
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - column("frequency_penalty") * generated - column("presence_penalty") * (generated > 0).to(x.dtype)
+        out[penalized] = x
+    biased = [(i, t, b) for i in rows for t, b in params[i].logit_bias.items()]
+    if biased:
+        r, t, b = zip(*biased)
+        out.index_put_((torch.tensor(r, device=device), torch.tensor(t, device=device)),
+                       torch.tensor(b, dtype=out.dtype, device=device), accumulate=True)
+    return out
+
+
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, applied to each row of float32 logits [R, V] by
+    """Temperature, then min-p, top-k and top-p, applied to each row of float32 logits [R, V] by
     `params[row]`; returns new logits with the filtered tokens at -inf."""
     vocab = logits.shape[-1]
     device = logits.device
     out = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)[:, None]
+    min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if min_p:
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p): no softmax needed.
+        floor = torch.tensor([params[i].min_p for i in min_p], dtype=out.dtype, device=device).log()[:, None]
+        rows = out[min_p]
+        out[min_p] = rows.masked_fill(rows < rows.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         top = torch.topk(out, max(ks), dim=-1).values
@@ -115,10 +172,13 @@ class Sampler:
         else:
             self._rng.seed()
 
-    def choose(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-        """One token per row. `steps[i]` is the request's output index (seeded draws use it)."""
+    def choose(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+               histories: Sequence[History] | None = None) -> list[int]:
+        """One token per row. `steps[i]` is the request's output index (seeded draws use it);
+        `histories[i]` its tokens so far (penalties need them)."""
         logits = logits.float()
         check_logits(logits)
+        logits = adjust_logits(logits, params, histories)
         tokens = torch.argmax(logits, dim=-1).tolist()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
@@ -135,9 +195,10 @@ class Sampler:
         return tokens
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]
+        self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+        histories: Sequence[History] | None = None,
     ) -> list[SampledToken]:
-        tokens = self.choose(logits, params, steps)
+        tokens = self.choose(logits, params, steps, histories)
         return self.attach_logprobs(logits, params, tokens)
 
     @staticmethod

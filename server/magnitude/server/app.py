@@ -291,6 +291,12 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        bias = body.token_bias
+        for param, ids_ in (("logit_bias", list(bias)), ("stop_token_ids", body.stop_token_ids or [])):
+            outside = [t for t in ids_ if t >= renderer.vocab_size]
+            if outside:
+                raise APIError(400, f"{param}: token id {outside[0]} is outside the vocabulary of {renderer.vocab_size}",
+                               param=param)
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
@@ -301,6 +307,12 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
                 stop=body.stop_strings,
                 ignore_eos=body.ignore_eos,
                 logprobs=body.num_logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                min_p=body.min_p,
+                logit_bias=bias,
+                stop_token_ids=list(body.stop_token_ids or []),
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc

@@ -18,9 +18,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from magnitude.engine.sampling import MAX_REPETITION_PENALTY
+
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
 MAX_TOKENS_LIMIT = 1_000_000
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
+MAX_STOP_TOKEN_IDS = 64
 
 
 # Fields of OpenAI's request schemas that mean nothing to a self-hosted engine: accepted and
@@ -81,8 +85,13 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=253)
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's extensions, under vLLM's names (a stock client sends them through `extra_body`).
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     # Magnitude extensions (a stock client sends them through `extra_body`).
     priority_class: str | None = Field(default=None, min_length=1, max_length=63)
     deadline_ms: float | None = Field(default=None, gt=0.0, le=86_400_000.0)
@@ -98,6 +107,18 @@ class _SamplingRequest(_Strict):
             if not s or len(s) > MAX_STOP_LENGTH:
                 raise ValueError(f"each stop string must be 1..{MAX_STOP_LENGTH} characters")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return value
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingRequest":

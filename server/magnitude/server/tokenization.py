@@ -84,9 +84,13 @@ class PromptRenderer:
     def text(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt, add_special_tokens=True))
 
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
     def check_ids(self, ids: list[int]) -> int | None:
         """Index of the first token id outside the vocabulary, or None."""
-        vocab = len(self.tokenizer)
+        vocab = self.vocab_size
         for i, t in enumerate(ids):
             if t >= vocab:
                 return i
