@@ -313,7 +313,7 @@ class ModelRunner:
                 tokens.append(None)
         return tokens
 
-    # -- one sequence at a time over the pool, before serving (the quantization evaluation) -------
+    # -- the quantization evaluation's passes over the pool, before serving --------------------
 
     def _blocks_for(self, n: int) -> list[int]:
         need = -(-n // self.block_size)
