@@ -45,7 +45,14 @@ from magnitude.server.async_engine import (
 )
 from magnitude.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from magnitude.server.errors import APIError, install_error_handlers
-from magnitude.server.protocol import ChatCompletionRequest, CompletionRequest, SheddingRequest
+from magnitude.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SheddingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from magnitude.server.responses import SSE_DONE, ResponseBuilder, sse
 from magnitude.server.timeline import ArrivalStamp, arrival_of, client_request_id
 
@@ -220,6 +227,39 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(body: CompletionRequest, request: Request, x_tenant: str | None = Header(default=None)) -> Response:
         return await _serve(body, request, x_tenant, chat=False)
+
+    # -- vLLM's tokenizer endpoints ---------------------------------------------------------------------
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in model_names():
+            raise APIError(404, f"model '{name}' not found; available: {model_names()}", param="model", code="model_not_found")
+
+    @app.post("/tokenize", dependencies=[Depends(require_api_key)])
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        check_not_ready()
+        check_model(body.model)
+        renderer = engine.renderer
+        assert renderer is not None
+        try:
+            if isinstance(body, TokenizeChatRequest):
+                messages = [m.template_fields() for m in body.messages]
+                ids = await asyncio.to_thread(renderer.chat, messages, body.add_generation_prompt)
+            else:
+                ids = await asyncio.to_thread(renderer.text, body.prompt, body.add_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - e.g. a chat template refusing a role order
+            raise APIError(400, f"could not tokenize: {exc}", param="messages" if isinstance(body, TokenizeChatRequest) else "prompt") from exc
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": renderer.token_strs(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize", dependencies=[Depends(require_api_key)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_not_ready()
+        check_model(body.model)
+        renderer = engine.renderer
+        assert renderer is not None
+        bad = renderer.check_ids(body.tokens)
+        if bad is not None:
+            raise APIError(400, f"token id {body.tokens[bad]} at index {bad} is outside the vocabulary", param="tokens")
+        return {"prompt": await asyncio.to_thread(renderer.tokenizer.decode, body.tokens)}
 
     # -- request handling ---------------------------------------------------------------------------
     def check_not_ready() -> None:

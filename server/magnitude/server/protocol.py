@@ -262,6 +262,29 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
 
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's `/tokenize` with a text prompt."""
+
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    prompt: str = Field(max_length=4_000_000)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's `/tokenize` with chat messages (rendered by the chat template, as a chat request is)."""
+
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    tokens: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(max_length=1_000_000)
+
+
 class SheddingRequest(BaseModel):
     """Admin: shed exactly `classes` (the operator's choice; [] turns shedding off), or, without
     `classes`, turn shedding on for the `levels` least important classes (`enabled`) or off."""

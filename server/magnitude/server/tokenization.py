@@ -45,8 +45,8 @@ class PromptRenderer:
         Counted on the message texts before the chat template, which only adds text."""
         return max_model_len * self.max_chars_per_token
 
-    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         # The template already wrote the special tokens it wants.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -81,8 +81,15 @@ class PromptRenderer:
             return False
         return _SENTINEL in text
 
-    def text(self, prompt: str) -> list[int]:
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+    def text(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (vLLM's `token_strs`); the decoded text when the tokenizer has none."""
+        convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+        if convert is not None:
+            return [str(t) for t in convert(ids)]
+        return [self.tokenizer.decode([i]) for i in ids]
 
     @property
     def vocab_size(self) -> int:
