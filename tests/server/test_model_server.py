@@ -139,8 +139,11 @@ def test_prefix_cache_hit_shows_in_timeline_and_timing(model_server: RunningServ
         assert doc is not None and doc["timing"] == timings[-1]
     assert answers[0] == answers[1]
     block = model_server.engine.config.kv_cache.block_size
-    assert timings[0]["cached_prompt_tokens"] == 0
-    assert timings[1]["cached_prompt_tokens"] >= block and timings[1]["cached_prompt_tokens"] % block == 0
+    # The first may reuse the chat template's system-prompt blocks from the module's earlier
+    # requests; the second reuses at least the first's whole user prompt on top of that.
+    first, second = timings[0]["cached_prompt_tokens"], timings[1]["cached_prompt_tokens"]
+    assert first % block == 0 and second % block == 0
+    assert second >= first + 4 * block and second >= r.usage.prompt_tokens - block, (first, second)
     hits = [e for e in doc["events"] if e["kind"] == "prefix_cache_hit"]
     assert [h["tokens"] for h in hits] == [timings[1]["cached_prompt_tokens"]]
     chunks = [e for e in doc["events"] if e["kind"] == "prefill_chunk"]
