@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                              num_blocks=blocks_needed(decodes, prefills, args.context, 16),
-                             num_swap_blocks=32, num_threads=args.threads, quantization=args.quantization)
+                             num_swap_blocks=32, num_threads=args.threads, quantization=args.quantization,
+                             evaluate_quantization=False)  # timing only: `magnitude serve` judges quality
     except (ModelSourceError, QuantizationError) as e:
         raise UsageError(str(e)) from e
     doc = profile_runner(runner, decodes, prefills, args.context, args.repeats)
