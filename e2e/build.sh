@@ -74,3 +74,32 @@ else
   echo "$HELM_STAMP" >"$BIN/.helm.stamp"
   echo "e2e/build.sh: built helm in $(( $(date +%s) - start ))s" | tee -a "$BIN/logs/build-times.log"
 fi
+
+# Prometheus and promtool: Debian's package (the distribution's build, pinned by version and
+# sha256), unpacked without installing, for the tests whose subject is metrics, recording/alert
+# rules or dashboard queries (`promtool test rules`, a real Prometheus scraping the engine).
+PROM_DEB="prometheus_2.42.0+ds-5+deb12u1_amd64.deb"
+PROM_SHA256="81d59a24fce84f7fbe97a45a4f2914b6a5881b5cd1db2a6a0e129e515e1a5f55"
+if [[ -x "$BIN/prometheus" && -x "$BIN/promtool" && -f "$BIN/.prometheus.stamp" && "$(cat "$BIN/.prometheus.stamp")" == "$PROM_SHA256" ]]; then
+  echo "e2e/build.sh: prometheus up to date"
+elif ! command -v apt-get >/dev/null 2>&1 || ! command -v dpkg >/dev/null 2>&1; then
+  echo "e2e/build.sh: no apt-get/dpkg; the Prometheus tests will skip (or fail under CI=true)" >&2
+else
+  echo "e2e/build.sh: fetching $PROM_DEB ..."
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  version="${PROM_DEB#prometheus_}"; version="${version%_amd64.deb}"
+  if ! (cd "$work" && chmod 777 . && apt-get download -q "prometheus=$version" >"$BIN/logs/fetch-prometheus.log" 2>&1); then
+    (apt-get update -q >>"$BIN/logs/fetch-prometheus.log" 2>&1 || true)
+    (cd "$work" && apt-get download -q "prometheus=$version" >>"$BIN/logs/fetch-prometheus.log" 2>&1) || {
+      echo "e2e/build.sh: fetching prometheus failed; see $BIN/logs/fetch-prometheus.log" >&2; exit 1; }
+  fi
+  if [[ "$(sha256sum "$work/$PROM_DEB" | cut -d' ' -f1)" != "$PROM_SHA256" ]]; then
+    echo "e2e/build.sh: $PROM_DEB does not match its pinned sha256" >&2
+    exit 1
+  fi
+  dpkg -x "$work/$PROM_DEB" "$work/x"
+  install -m 0755 "$work/x/usr/bin/prometheus" "$work/x/usr/bin/promtool" "$BIN/"
+  echo "$PROM_SHA256" >"$BIN/.prometheus.stamp"
+  echo "e2e/build.sh: prometheus and promtool in $BIN"
+fi
