@@ -375,6 +375,40 @@ def test_7_kubectl_scale_and_hpa_use_the_scale_subresource(kube, operator, kubel
     delete_and_wait(kube, name)
 
 
+# -- 7b. scale subresource with spec.replicas left unset (an external HPA/KEDA's manifest) --
+def test_7b_replicas_unset_scales_through_the_scale_subresource(kube, operator, kubelet) -> None:
+    """A ModelService written without `replicas` (as examples/external-hpa.yaml is): the API server
+    defaults it, so /scale reads a real size, a PUT of /scale (what the HPA controller and KEDA send)
+    resizes the service, and a real HPA then clamps it."""
+    name = "unset-replicas"
+    manifest = sim_service(name, minReplicas=1, maxReplicas=4)
+    del manifest["spec"]["replicas"]
+    kube.apply(manifest)
+    ready_msvc(kube, operator, kubelet, name, timeout=90, replicas=1)
+    dump = debug(kube, operator, kubelet, name)
+    path = f"/apis/{API}/namespaces/{NS}/modelservices/{name}/scale"
+    scale = json.loads(kube.run("get", "--raw", path).stdout)
+    assert scale["spec"].get("replicas") == 1, scale  # absent here, an HPA would read 0 and stop scaling
+    scale["spec"]["replicas"] = 3
+    kube.run("replace", "--raw", path, "-f", "-", input=json.dumps(scale))
+    wait_for("3 ready replicas after PUT /scale",
+             lambda: msvc(kube, name)["status"].get("readyReplicas") == 3, 90, on_timeout=dump)
+    assert msvc(kube, name)["spec"]["replicas"] == 3
+    kube.apply({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"scaleTargetRef": {"apiVersion": API, "kind": "ModelService", "name": name},
+                         "minReplicas": 2, "maxReplicas": 2,
+                         "metrics": [{"type": "Resource", "resource": {
+                             "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}]}})
+    try:
+        wait_for("HPA scales the replicas-unset ModelService to 2",
+                 lambda: msvc(kube, name)["spec"].get("replicas") == 2
+                 and msvc(kube, name)["status"].get("readyReplicas") == 2, 90, on_timeout=dump)
+    finally:
+        kube.delete("hpa", name)
+    delete_and_wait(kube, name)
+
+
 # -- 8. delete: garbage collection, finalizers never block -------------------------------
 def test_8_delete_collects_children_even_with_the_operator_down(kube, operator, kubelet) -> None:
     name = "deleteme"

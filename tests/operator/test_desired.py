@@ -138,7 +138,8 @@ def test_service_pdb_and_service_monitor_select_the_pods() -> None:
 
 def test_desired_replicas_spec_or_autoscaler() -> None:
     assert d.desired_replicas(spec(replicas=3), None) == 3
-    assert d.desired_replicas(spec(), None) == 1  # unset: minReplicas
+    assert d.desired_replicas(spec(), None) == 1  # the default, as the API server fills it in
+    assert d.desired_replicas(spec(minReplicas=2, maxReplicas=3), None) == 1  # minReplicas bounds the autoscaler only
     auto = spec(replicas=7, minReplicas=2, maxReplicas=5, autoscaling={"enabled": True})
     assert d.desired_replicas(auto, None) == 5  # clamped start
     assert d.desired_replicas(auto, ModelServiceStatus(desired_replicas=3)) == 3  # the autoscaler's decision wins

@@ -239,7 +239,7 @@ def _scale(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...], load
     stuck = [(p.name, why) for p in pods if (why := p.stuck(now, spec.model_load_timeout_seconds)) is not None]
     note = stuck_note(stuck)
     if not a.enabled:
-        want = spec.replicas if spec.replicas is not None else lo
+        want = spec.replicas
         return (want, EXTERNAL, f"autoscaling is off; spec.replicas decides ({want}){note}",
                 replace(memory, recommendations=()))
     # Pods still on their way: not ready and not stuck, plus those the ReplicaSet has yet to create.

@@ -94,9 +94,9 @@ def desired_replicas(spec: ModelServiceSpec, status: ModelServiceStatus | None) 
     """Pods to run: the autoscaler's last decision when it owns the count, else spec.replicas."""
     if spec.autoscaling.enabled:
         held = status.desired_replicas if status is not None else None
-        start = held if held is not None else (spec.replicas if spec.replicas is not None else spec.min_replicas)
+        start = held if held is not None else spec.replicas
         return max(spec.min_replicas, min(spec.max_replicas, start))
-    return spec.replicas if spec.replicas is not None else spec.min_replicas
+    return spec.replicas
 
 
 def build_config_map(owner: Owner, spec: ModelServiceSpec) -> dict[str, Any]:
@@ -201,6 +201,7 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
         "--port", str(n.ENGINE_PORT),
         "--shutdown-grace", str(spec.drain_seconds),
         *weight_args(spec),
+        *(["--metrics-compat", spec.metrics.compat] if spec.metrics.compat != "none" else []),
         *spec.extra_args,
     ]
     container = {

@@ -177,6 +177,18 @@ class Auth(PolicyModel):
         return self
 
 
+class MetricsSpec(PolicyModel):
+    """What the engine exports on /metrics besides its own `magnitude_*` series (docs/operator.md)."""
+
+    compat: Literal["none", "vllm"] = Field(
+        default="none",
+        description="vllm: the pods also export vLLM's metric names (vllm:num_requests_waiting, "
+        "vllm:kv_cache_usage_perc, vllm:time_to_first_token_seconds, ... labelled model_name), so the Gateway "
+        "API Inference Extension's endpoint picker and KEDA / prometheus-adapter recipes written for vLLM work "
+        "unchanged (`magnitude serve --metrics-compat vllm`). Changing it rolls the pods.",
+    )
+
+
 class ModelServiceSpec(EngineConfig):
     """`spec` of a ModelService: the engine policy (inherited) plus model, resources and scaling."""
 
@@ -200,11 +212,14 @@ class ModelServiceSpec(EngineConfig):
         default_factory=list, max_length=32, description="Extra arguments appended to `magnitude serve`."
     )
     resources: Resources = Field(default_factory=Resources)
-    replicas: int | None = Field(
-        default=None,
+    # Defaulted by the API server (like a Deployment's), never absent: the scale subresource reads
+    # this path, and with no value there a GET of /scale fails, so an HPA or KEDA cannot scale.
+    replicas: int = Field(
+        default=1,
         ge=0,
         le=1000,
-        description="Pods when autoscaling is off (the scale subresource writes it). Unset: minReplicas.",
+        description="Pods when autoscaling is off (kubectl scale, an HPA or KEDA write it through the scale "
+        "subresource); 0 parks the service. With autoscaling on it only seeds the first size. Default 1.",
     )
     min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest pods the autoscaler keeps.")
     max_replicas: int = Field(default=1, ge=1, le=1000, description="Most pods the autoscaler runs.")
@@ -220,6 +235,7 @@ class ModelServiceSpec(EngineConfig):
     )
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     auth: Auth = Field(default_factory=Auth)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
 
     @model_validator(mode="after")
     def _check_serving_fields(self) -> "ModelServiceSpec":
