@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -13,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from magnitude.operator import scrape
 from magnitude.operator.autoscaler import aggregate
+from magnitude.server.engine_loop import StepStats
 from magnitude.server.metrics import EngineMetrics, RequestRecord
 
 
@@ -22,8 +22,8 @@ def engine_text(metrics: EngineMetrics) -> str:
 
 def engine(running: int, waiting: int, used: int, total: int = 100) -> EngineMetrics:
     m = EngineMetrics(registry=CollectorRegistry(), tenant_labels=["t1"])
-    m.set_gauges(SimpleNamespace(duration_s=0.01, running=running, waiting=waiting, swapped=0, kv_used_blocks=used,
-                                 kv_total_blocks=total, preempted=[]))
+    m.set_gauges(StepStats(t=0.0, duration_s=0.01, running=running, waiting=waiting, kv_used_blocks=used,
+                           kv_total_blocks=total))
     return m
 
 

@@ -33,6 +33,10 @@ from dataclasses import dataclass, field, replace
 from magnitude.operator.spec import Autoscaling, LoadShedding, ModelServiceSpec
 
 MAX_RECOMMENDATIONS = 512
+# Engine decisions worth citing in a condition: what made requests wait, lose work or fail. Admits,
+# finishes, releases and swaps are routine; cancels are the clients'; shed is the operator's own.
+CITED_DECISION_KINDS = frozenset({"defer", "preempt", "reject", "timeout"})
+CITED_DECISIONS = 3
 
 # Scaling reasons (the `Scaling` condition's reason and the Event reason when the size changes).
 SCALED_UP = "ScaledUp"
@@ -74,6 +78,9 @@ class PodLoad:
     problem: str | None = None  # why the latest scrape gave nothing usable (None: it did, or none was due)
     phase: str | None = None  # a not-ready pod's /readyz phase (None: unknown)
     not_ready_since: float | None = None  # Unix seconds a not-ready pod became not ready (None: unknown)
+    # The engine's scheduler decisions since the last scrape: ((kind, reason), count), from
+    # magnitude_decisions_total.
+    decisions: tuple[tuple[tuple[str, str], float], ...] = ()
 
     def stuck(self, now: float, load_timeout: float) -> str | None:
         """Why this not-ready pod will not become ready by waiting, or None while it may still load."""
@@ -113,6 +120,14 @@ class Load:
     running: float | None = None
     queue_time_p90: float | None = None
     unavailable: tuple[tuple[str, str], ...] = ()  # ready pods without usable metrics: (name, why)
+    decisions: tuple[tuple[tuple[str, str], float], ...] = ()  # cited kinds, summed over pods, most first
+
+    def decisions_note(self) -> str:
+        """`engine decisions since the last tick: defer/kv_blocks 120, preempt/kv_blocks 14`, or ""."""
+        if not self.decisions:
+            return ""
+        return "engine decisions since the last tick: " + ", ".join(
+            f"{kind}/{reason} {n:g}" for (kind, reason), n in self.decisions[:CITED_DECISIONS])
 
     @property
     def available(self) -> bool:
@@ -182,9 +197,13 @@ def aggregate(pods: tuple[PodLoad, ...] | list[PodLoad], max_age: float) -> Load
     if not fresh:
         return Load(fresh_pods=0, ready_pods=len(ready), unavailable=unavailable)
     merged: dict[float, float] = {}
+    decided: dict[tuple[str, str], float] = {}
     for p in fresh:
         for upper, count in p.queue_buckets:
             merged[upper] = merged.get(upper, 0.0) + count
+        for key, count in p.decisions:
+            if key[0] in CITED_DECISION_KINDS and count > 0:
+                decided[key] = decided.get(key, 0.0) + count
     return Load(
         fresh_pods=len(fresh),
         ready_pods=len(ready),
@@ -193,6 +212,7 @@ def aggregate(pods: tuple[PodLoad, ...] | list[PodLoad], max_age: float) -> Load
         running=sum(p.running for p in fresh),
         queue_time_p90=histogram_quantile(0.9, tuple(merged.items())),
         unavailable=unavailable,
+        decisions=tuple(sorted(decided.items(), key=lambda kv: (-kv[1], kv[0]))),
     )
 
 
@@ -387,6 +407,11 @@ def decide(spec: ModelServiceSpec, current: int, pods: tuple[PodLoad, ...] | lis
     replicas, reason, message, memory = _scale(spec, current, pods, load, memory, now)
     at_capacity = (not spec.autoscaling.enabled) or (replicas >= spec.max_replicas and reason != SCALED_UP)
     shed, shed_reason, shed_message, memory = _shed(spec, at_capacity, load, memory, now)
+    # Why requests waited or failed, from the engines themselves: the reasons behind the numbers.
+    if cited := load.decisions_note():
+        message = f"{message}; {cited}"
+        if shed:
+            shed_message = f"{shed_message}; {cited}"
     costs = deletion_costs(pods, spec.autoscaling.metrics_max_age_seconds) if replicas < current else {}
     return Decision(replicas=replicas, reason=reason, message=message, shed_classes=shed, shed_reason=shed_reason,
                     shed_message=shed_message, memory=memory, load=load, deletion_costs=costs)

@@ -2,7 +2,9 @@
 
 `parse()` reads the Prometheus text format with prometheus_client's parser and sums series over
 their labels; `Scraper` keeps each pod's previous queue-time histogram so the autoscaler sees only
-the observations since the last tick (a cumulative histogram would never let a service scale down).
+the observations since the last tick (a cumulative histogram would never let a service scale down),
+and likewise the engine's decision counters (`magnitude_decisions_total{kind,reason}`), whose top
+reasons the Scaling and Shedding conditions cite.
 
 Pods are not trusted to behave. A scrape has one deadline and a byte cap for the whole exchange
 (`podhttp`), and `parse()` refuses a sample it cannot use (a bucket without a numeric `le`, a
@@ -41,7 +43,12 @@ WAITING = "magnitude_requests_waiting"
 RUNNING = "magnitude_requests_running"
 QUEUE_TIME = "magnitude_queue_time_seconds"
 SHED_CLASS = "magnitude_admission_shed_class"
-READ_METRICS = (KV_USAGE, WAITING, RUNNING, QUEUE_TIME, SHED_CLASS)
+DECISIONS = "magnitude_decisions"  # the family of magnitude_decisions_total{kind,reason}
+# A counter's samples arrive under the family without `_total`, or (untyped) as their own family.
+DECISION_FAMILIES = (DECISIONS, DECISIONS + "_total")
+READ_METRICS = (KV_USAGE, WAITING, RUNNING, QUEUE_TIME, SHED_CLASS, *DECISION_FAMILIES)
+# The engine bounds its reason labels (128 pairs); a pod sending more is not trusted with them.
+MAX_DECISION_SERIES = 512
 
 # Where a pod's engine answers. The e2e harness may point this elsewhere (kwok pods run no process).
 URL_TEMPLATE_ENV = "MAGNITUDE_OPERATOR_POD_URL"
@@ -65,6 +72,7 @@ class PodMetrics:
     running: float = 0.0
     queue_cumulative: dict[float, float] = field(default_factory=dict)  # le -> cumulative count (all labels)
     shed_classes: frozenset[str] | None = None  # None: the engine does not export the series
+    decisions: dict[tuple[str, str], float] = field(default_factory=dict)  # (kind, reason) -> cumulative count
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ def parse(text: str) -> PodMetrics:
     gauges: dict[str, float] = {}
     buckets: dict[float, float] = {}
     shed: set[str] | None = None
+    decisions: dict[tuple[str, str], float] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as e:  # noqa: BLE001 - the parser raises ValueError, IndexError, ... on garbage
@@ -117,6 +126,14 @@ def parse(text: str) -> PodMetrics:
         if family.name == SHED_CLASS:
             shed = shed or set()
             shed |= {s.labels.get("priority_class", "") for s in family.samples if _number(SHED_CLASS, s.value) >= 0.5}
+            continue
+        if family.name in DECISION_FAMILIES:
+            for sample in family.samples:
+                if sample.name == DECISIONS + "_total":
+                    key = (sample.labels.get("kind", "")[:64], sample.labels.get("reason", "")[:128])
+                    decisions[key] = decisions.get(key, 0.0) + _number(sample.name, sample.value)
+            if len(decisions) > MAX_DECISION_SERIES:
+                raise MetricsRejected(f"{DECISIONS}_total: {len(decisions)} series, over {MAX_DECISION_SERIES}")
             continue
         for sample in family.samples:
             if sample.name == QUEUE_TIME + "_bucket":
@@ -131,7 +148,17 @@ def parse(text: str) -> PodMetrics:
     if any(later < earlier for earlier, later in zip(counts, counts[1:])):
         raise MetricsRejected(f"{QUEUE_TIME}: bucket counts are not cumulative")
     return PodMetrics(kv_usage=kv, waiting=gauges.get(WAITING, 0.0), running=gauges.get(RUNNING, 0.0),
-                      queue_cumulative=buckets, shed_classes=None if shed is None else frozenset(shed))
+                      queue_cumulative=buckets, shed_classes=None if shed is None else frozenset(shed),
+                      decisions=decisions)
+
+
+def counter_delta(prev: dict[tuple[str, str], float] | None,
+                  cur: dict[tuple[str, str], float]) -> tuple[tuple[tuple[str, str], float], ...]:
+    """What each counter gained between two snapshots (those that gained anything). With no previous
+    snapshot, or after a reset (engine restart: some counter went down), nothing."""
+    if prev is None or any(cur.get(k, 0.0) < v for k, v in prev.items()):
+        return ()
+    return tuple((k, v - prev.get(k, 0.0)) for k, v in cur.items() if v > prev.get(k, 0.0))
 
 
 def bucket_delta(prev: dict[float, float] | None, cur: dict[float, float]) -> tuple[tuple[float, float], ...]:
@@ -185,7 +212,7 @@ class Scraper:
         reports = {r.pod: r for r in answers if r is not None}
         self.reports = tuple(reports.values())
         now = self._clock()
-        fresh: dict[str, tuple[PodMetrics, tuple[tuple[float, float], ...]]] = {}
+        fresh: dict[str, tuple[PodMetrics, Any, Any]] = {}  # uid -> (metrics, queue buckets, decisions) since last
         problems: dict[str, str] = {}
         for pod, (text, problem) in zip(ready, got):
             if text is not None:
@@ -197,7 +224,8 @@ class Scraper:
                 else:
                     prev = self._last.get(pod.uid)
                     fresh[pod.uid] = (metrics, bucket_delta(prev.metrics.queue_cumulative if prev else None,
-                                                             metrics.queue_cumulative))
+                                                             metrics.queue_cumulative),
+                                      counter_delta(prev.metrics.decisions if prev else None, metrics.decisions))
                     self._last[pod.uid] = _Seen(now, metrics)
             if problem is not None:
                 problems[pod.uid] = problem
@@ -213,10 +241,10 @@ class Scraper:
                                      phase=report.phase if report is not None else None,
                                      not_ready_since=None if p.ready else p.not_ready_since))
                 continue
-            metrics, delta = fresh.get(p.uid, (seen.metrics, ()))
+            metrics, delta, decided = fresh.get(p.uid, (seen.metrics, (), ()))
             loads.append(PodLoad(name=p.name, ready=True, age=now - seen.at, kv_usage=metrics.kv_usage,
                                  waiting=metrics.waiting, running=metrics.running, queue_buckets=delta,
-                                 problem=problems.get(p.uid)))
+                                 problem=problems.get(p.uid), decisions=decided))
         return loads
 
 
