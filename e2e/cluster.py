@@ -7,7 +7,8 @@ Ready; `Cluster.stop()` ends every process group it started, bounded in time.
 `Cluster(api_only=True)` starts just etcd + kube-apiserver (the operator's own tests), and
 `audit=True` makes the API server log every request (`audit_events()`), so a test can read
 which verbs a client really used. `require_control_plane()` is the one skip-or-fail gate for
-suites that need these binaries: skip naming `make e2e-build`, but fail under CI=true.
+suites that need these binaries, `require_tool(name)` the same for one tool (helm, promtool):
+skip naming `make e2e-build`, but fail under CI=true.
 
 Command line (used by `e2e/up.sh` / `e2e/down.sh`):
     python e2e/cluster.py up [--state DIR]     # prints `export KUBECONFIG=...`
@@ -87,6 +88,29 @@ def require_control_plane(names: tuple[str, ...] = BINARIES, tools: tuple[str, .
         return
     if in_ci():
         pytest.fail(f"{reason} -- under CI=true a skipped {suite} suite is a failure", pytrace=False)
+    pytest.skip(reason)
+
+
+def tool_binary(name: str) -> str | None:
+    """A tool e2e/build.sh puts in e2e/.bin (helm, promtool, prometheus, ...), else the one on PATH."""
+    for candidate in (BIN / name, shutil.which(name)):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    return None
+
+
+def require_tool(name: str, checks: str = "") -> str:
+    """The path of `name` (see `tool_binary`); without one skip naming `make e2e-build`, or fail
+    under CI=true, so CI cannot go green without having run the check. `checks` says what else
+    still ran, for the skip message."""
+    import pytest
+
+    found = tool_binary(name)
+    if found is not None:
+        return found
+    reason = f"no {name} binary ({BIN} or PATH); run `make e2e-build`" + (f". {checks}" if checks else "")
+    if in_ci():
+        pytest.fail(f"{reason} -- under CI=true a skipped {name} check is a failure", pytrace=False)
     pytest.skip(reason)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -24,22 +23,12 @@ KUBE_VERSION = "1.31.0"
 
 def helm_binary() -> str | None:
     """helm as `make e2e-build` builds it (e2e/.bin/helm), else the one on PATH."""
-    for candidate in (ROOT / "e2e" / ".bin" / "helm", shutil.which("helm")):
-        if candidate and Path(candidate).is_file():
-            return str(candidate)
-    return None
+    return e2e_module("cluster").tool_binary("helm")
 
 
 def require_helm() -> str:
-    """The helm binary; without one skip naming `make e2e-build`, or fail under CI=true (the same
-    rule as the control-plane suites: CI cannot go green without having run helm)."""
-    helm = helm_binary()
-    if helm is None:
-        reason = "no helm binary (e2e/.bin or PATH); run `make e2e-build`. The rules-file checks still ran"
-        if e2e_module("cluster").in_ci():
-            pytest.fail(f"{reason} -- under CI=true a skipped helm check is a failure", pytrace=False)
-        pytest.skip(reason)
-    return helm
+    """The helm binary; skip without one, or fail under CI=true (the control-plane suites' rule)."""
+    return e2e_module("cluster").require_tool("helm", "The rules-file checks still ran")
 
 
 def triples(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:

@@ -22,3 +22,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "magnitude.serviceAccountName" -}}
 {{- default (include "magnitude.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{/* A histogram bound as its `le` label reads in Prometheus: prometheus_client writes floats the
+way Python prints them ("5.0", "2.5") and Prometheus 3 normalises every `le` to that form,
+while Helm would print a whole number as "5" and match no series. */}}
+{{- define "magnitude.promLe" -}}
+{{- $v := . | float64 -}}
+{{- if eq $v (floor $v) -}}{{ printf "%.1f" $v }}{{- else -}}{{ $v }}{{- end -}}
+{{- end -}}
