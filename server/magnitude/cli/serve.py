@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import time
 from typing import Any
 
 from magnitude.runner import QUANTIZATIONS  # torch-free: the package's __init__ only
 from magnitude.server.auth import AUTH_MODES  # pydantic and yaml only
+from magnitude.server.metrics import METRICS_COMPAT  # prometheus_client only
+from magnitude.server.timeline import DEFAULT_MAX_DECISIONS, DEFAULT_MAX_REQUESTS  # stdlib and engine dataclasses
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +55,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "earlier name). Embeddings, norms, attention and the KV cache keep --dtype. Before serving, the "
                    "engine evaluates the quantized model against the unquantized one and refuses to serve it below "
                    "the config's quantizationEvaluation thresholds (/readyz phase quantization_rejected)")
+    p.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None,
+                   help="vllm: also export vLLM's metric names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ... "
+                   "labelled model_name) for the Gateway API Inference Extension's endpoint picker and KEDA / "
+                   "prometheus-adapter recipes written for vLLM (default: $MAGNITUDE_METRICS_COMPAT or none)")
+    p.add_argument("--timeline-ring-size", type=_positive_int, default=DEFAULT_MAX_REQUESTS, metavar="N",
+                   help="finished requests whose timelines GET /debug/requests/{id} keeps (live ones are always kept)")
+    p.add_argument("--decision-ring-size", type=_positive_int, default=DEFAULT_MAX_DECISIONS, metavar="N",
+                   help="scheduler decisions GET /debug/decisions keeps (magnitude_decisions_total counts all)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
 
 
 def _derive_prefill_chunk(args: argparse.Namespace, config: Any) -> Any:
@@ -114,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from magnitude.server.app import ServerSettings, create_app
     from magnitude.server.async_engine import AsyncEngine
     from magnitude.server.metrics import EngineMetrics
+    from magnitude.server.timeline import RequestLog
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from magnitude.cli.config_file import load_config
@@ -131,8 +151,15 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key, served_model_name=args.served_model_name, shutdown_grace_s=args.shutdown_grace,
         auth_mode=args.auth_mode, api_keys_file=args.api_keys_file,
     )
-    metrics = EngineMetrics(tenant_labels=config.tenant_labels)
-    engine = AsyncEngine(config, load_runner, metrics)
+    compat = args.metrics_compat or os.environ.get("MAGNITUDE_METRICS_COMPAT") or "none"
+    if compat not in METRICS_COMPAT:
+        print(f"magnitude serve: MAGNITUDE_METRICS_COMPAT={compat!r}: one of {', '.join(METRICS_COMPAT)}", file=sys.stderr)
+        return 2
+    # The operator stamps each pod with its ModelService's serviceVersion; magnitude_model_info carries it.
+    metrics = EngineMetrics(tenant_labels=config.tenant_labels, compat=compat,
+                            service_version=os.environ.get("MAGNITUDE_SERVICE_VERSION", ""))
+    request_log = RequestLog(time.monotonic, max_requests=args.timeline_ring_size, max_decisions=args.decision_ring_size)
+    engine = AsyncEngine(config, load_runner, metrics, request_log=request_log)
     try:
         app = create_app(engine, metrics.registry, settings)
     except ConfigError as exc:  # the auth settings or the keys file (AuthConfigError)

@@ -59,6 +59,7 @@ class KVCacheManager:
         self.num_used = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.alloc_failures = 0  # allocations (or can_allocate checks) the pool could not satisfy
 
     # ---- figures ----
     @property
@@ -161,7 +162,10 @@ class KVCacheManager:
         need = self.blocks_for(num_tokens) - have
         if table is None and cached:
             need += sum(1 for b in cached if self.ref_counts[b] == 0)  # hits leaving the evictable LRU
-        return max(0, need) + reserve <= self.num_free_blocks
+        if max(0, need) + reserve <= self.num_free_blocks:
+            return True
+        self.alloc_failures += 1
+        return False
 
     def allocate(self, request: Request, num_tokens: int, cached: list[int] | None = None) -> bool:
         """Grow the request's table to cover `num_tokens` positions; False (nothing changed) if
@@ -175,6 +179,7 @@ class KVCacheManager:
                 need = self.blocks_for(num_tokens) - len(cached)
                 reusable = sum(1 for b in cached if self.ref_counts[b] == 0)
                 if need > self.num_free_blocks - reusable:
+                    self.alloc_failures += 1
                     return False
                 for b in cached:
                     self._ref(b)
@@ -189,6 +194,7 @@ class KVCacheManager:
         if need > len(self._free) + len(self._evictable):
             if not table:
                 del self.tables[rid]
+            self.alloc_failures += 1
             return False
         for _ in range(need):
             table.append(self._take())

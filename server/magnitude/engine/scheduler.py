@@ -613,6 +613,7 @@ class Scheduler:
         s.step_seconds = self._step_seconds
         s.prefix_cache_queries = self.kv.prefix_queries
         s.prefix_cache_hits = self.kv.prefix_hits
+        s.kv_alloc_failures = self.kv.alloc_failures
         # A snapshot: callers may keep it and compare it with the next one.
         return replace(s, preemptions=dict(s.preemptions), rejections=dict(s.rejections), finished=dict(s.finished))
 

@@ -33,6 +33,7 @@ class SchedulerStats:
     finished: dict[str, int] = field(default_factory=dict)  # terminal status -> n
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    kv_alloc_failures: int = 0
 
     @property
     def kv_usage_ratio(self) -> float:

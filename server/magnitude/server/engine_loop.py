@@ -47,6 +47,16 @@ class StepStats:
     swapped: int = 0
     kv_used_blocks: int = 0
     kv_total_blocks: int = 0
+    kv_cached_blocks: int = 0  # unreferenced, still holding a reusable prefix
+    swap_used_blocks: int = 0
+    swap_total_blocks: int = 0
+    num_tokens: int = 0  # scheduled this step (prefill chunks + decodes + lookahead)
+    token_budget: int = 0
+    max_sequences: int = 0
+    # Cumulative since start (the metrics adapter turns them into counters).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_alloc_failures: int = 0
     preempted: list[tuple[str, str, str]] = field(default_factory=list)
 
 
@@ -68,9 +78,18 @@ def stats_of(scheduler: Any, t: float, duration_s: float, plan: StepPlan | None)
         swapped=getattr(s, "swapped", 0),
         kv_used_blocks=s.kv_used_blocks,
         kv_total_blocks=s.kv_total_blocks,
+        kv_cached_blocks=s.kv_cached_free_blocks,
+        swap_used_blocks=s.swap_used_blocks,
+        swap_total_blocks=s.swap_total_blocks,
+        token_budget=getattr(scheduler, "token_budget", 0),
+        max_sequences=getattr(scheduler, "max_sequences", 0),
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        kv_alloc_failures=s.kv_alloc_failures,
     )
     if plan is not None:
         stats.num_seqs = len(plan.seqs)
+        stats.num_tokens = plan.num_tokens
         stats.num_decode = plan.num_decode
         stats.num_prefill_tokens = plan.num_tokens - plan.num_decode
         stats.preempted = list(plan.preempted)

@@ -4,6 +4,9 @@ The engine never imports prometheus_client; it hands this adapter plain dataclas
 (`StepStats` per step, `RequestRecord` per finished request). The registry is injectable so
 tests use a fresh `CollectorRegistry()`. Latency metrics carry `priority_class`; tenant labels
 are bounded to the configured `tenant_labels` (plus `default`), everything else is `other`.
+
+With `compat="vllm"` the registry also exports a vLLM-named view (`vllm:*`, label `model_name`) of
+the same series, built at scrape time from them (`_VllmView`), so a step pays nothing for it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PREFIX = "magnitude_"
@@ -22,6 +25,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
                    600.0, 1200.0, 1800.0, 3600.0, 7200.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000, 200_000)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+OCCUPANCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+METRICS_COMPAT = ("none", "vllm")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -32,6 +37,16 @@ class StepStatsLike(Protocol):
     swapped: int
     kv_used_blocks: int
     kv_total_blocks: int
+    kv_cached_blocks: int
+    swap_used_blocks: int
+    swap_total_blocks: int
+    num_seqs: int
+    num_tokens: int
+    token_budget: int
+    max_sequences: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_alloc_failures: int
     preempted: list[tuple[str, str, str]]
 
 
@@ -57,16 +72,35 @@ class RequestRecord:
 class EngineMetrics:
     """All `magnitude_*` series of DESIGN §3, registered on `registry`."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, tenant_labels: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        tenant_labels: Iterable[str] = (),
+        *,
+        service_version: str = "",
+        compat: str = "none",
+    ) -> None:
+        if compat not in METRICS_COMPAT:
+            raise ValueError(f"metrics compat {compat!r}: one of {', '.join(METRICS_COMPAT)}")
         self.registry = registry if registry is not None else CollectorRegistry()
         self._tenants = set(tenant_labels) | {"default"}
+        self.service_version = service_version
+        self.compat = compat
+        self.model_name = ""  # set with model_info; the vLLM view's `model_name`
+        # Last cumulative scheduler counters seen, so each step adds only its difference.
+        self._prefix_queries = self._prefix_hits = self._alloc_failures = 0
         r = self.registry
         g = lambda name, doc, labels=(): Gauge(PREFIX + name, doc, labels, registry=r)  # noqa: E731
         self.requests_running = g("requests_running", "Sequences resident in the running set.")
         self.requests_waiting = g("requests_waiting", "Requests admitted to the queue, not yet running.")
         self.requests_swapped = g("requests_swapped", "Preempted sequences whose KV lives in host memory.")
         self.kv_cache_usage_ratio = g("kv_cache_usage_ratio", "Share of device KV blocks in use (0..1).")
-        self.kv_cache_blocks_total = g("kv_cache_blocks_total", "Device KV blocks in the pool.")
+        self.kv_cache_blocks = g("kv_cache_blocks", "Device KV blocks in the pool.")
+        self.kv_cache_blocks_used = g("kv_cache_blocks_used", "Device KV blocks referenced by requests.")
+        self.kv_cache_blocks_cached = g(
+            "kv_cache_blocks_cached", "Unreferenced device KV blocks still holding a reusable prefix (evictable).")
+        self.kv_cache_swap_blocks = g("kv_cache_swap_blocks", "Host swap KV blocks in the pool.")
+        self.kv_cache_swap_blocks_used = g("kv_cache_swap_blocks_used", "Host swap KV blocks holding preempted requests.")
         self.admission_shedding = g("admission_shedding", "1 while load shedding rejects the lowest classes.")
         self.shed_classes = g("admission_shed_classes", "Number of priority classes currently shed.")
         self.shed_class = g("admission_shed_class", "1 for each priority class admission sheds now, 0 once it stops.",
@@ -75,7 +109,7 @@ class EngineMetrics:
         self.engine_ready = g("engine_ready", "1 when the model is loaded and the engine loop runs.")
         self.model_load_seconds = g("model_load_seconds", "Seconds the model took to load at startup.")
         self.model_info = g("model_info", "1 for the loaded model; labels say what it is and how it runs.",
-                            ("model", "device", "dtype", "quantization"))
+                            ("model", "device", "dtype", "quantization", "service_version"))
         q = ("model", "method")
         self.quantization_top1_agreement = g(
             "quantization_top1_agreement", "Quantized weights' top-1 agreement with the unquantized model (0..1).", q)
@@ -99,6 +133,10 @@ class EngineMetrics:
                               LATENCY_BUCKETS)
         self.prompt_length = h("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self.output_length = h("request_generation_tokens", "Output tokens per finished request.", TOKEN_BUCKETS)
+        self.batch_token_occupancy = h("batch_token_occupancy", "Per step: scheduled tokens / token budget.",
+                                       OCCUPANCY_BUCKETS, labels=())
+        self.batch_sequence_occupancy = h("batch_sequence_occupancy", "Per step: sequences in the batch / maxSequences.",
+                                          OCCUPANCY_BUCKETS, labels=())
 
         c = lambda name, doc, labels: Counter(PREFIX + name, doc, labels, registry=r)  # noqa: E731
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of requests that reached their first token.", lat)
@@ -106,6 +144,17 @@ class EngineMetrics:
         self.preemptions = c("preemptions", "Preempted sequences.", ("mode", "reason"))
         self.rejections = c("rejections", "Requests rejected at or after admission.", ("reason", "priority_class"))
         self.requests_finished = c("requests_finished", "Requests that ended, by status.", ("status", "priority_class", "tenant"))
+        self.prefix_cache_queries = c("prefix_cache_queries", "Prefix-cache lookups (one per fresh prefill).", ())
+        self.prefix_cache_hits = c("prefix_cache_hits", "Prefix-cache lookups that reused at least one block.", ())
+        self.kv_alloc_failures = c("kv_cache_allocation_failures",
+                                   "KV block allocations the pool could not satisfy (the request waited or another was preempted).", ())
+        self.output_contract = c("output_contract",
+                                 "Answers that carried a contract (JSON schema, tool schema), by the server's check: "
+                                 "valid, invalid, or unverified (cut short before it could be checked).", ("result",))
+        for result in ("valid", "invalid", "unverified"):
+            self.output_contract.labels(result)  # every series from the start: rate() needs no first event
+        if compat == "vllm":
+            self.registry.register(_VllmView(self))
 
     def tenant_label(self, tenant: str) -> str:
         return tenant if tenant in self._tenants else "other"
@@ -115,7 +164,12 @@ class EngineMetrics:
 
     # -- per step ---------------------------------------------------------------------------
     def observe_step(self, stats: StepStatsLike) -> None:
+        """A step that ran a batch: its duration, occupancy, preemptions, and the state it left."""
         self.step_duration.observe(stats.duration_s)
+        if stats.token_budget:
+            self.batch_token_occupancy.observe(stats.num_tokens / stats.token_budget)
+        if stats.max_sequences:
+            self.batch_sequence_occupancy.observe(stats.num_seqs / stats.max_sequences)
         self.set_gauges(stats)
         for _, mode, reason in stats.preempted:
             self.preemptions.labels(mode, reason).inc()
@@ -124,14 +178,32 @@ class EngineMetrics:
         self.requests_running.set(stats.running)
         self.requests_waiting.set(stats.waiting)
         self.requests_swapped.set(stats.swapped)
-        self.kv_cache_blocks_total.set(stats.kv_total_blocks)
+        self.kv_cache_blocks.set(stats.kv_total_blocks)
+        self.kv_cache_blocks_used.set(stats.kv_used_blocks)
+        self.kv_cache_blocks_cached.set(stats.kv_cached_blocks)
+        self.kv_cache_swap_blocks.set(stats.swap_total_blocks)
+        self.kv_cache_swap_blocks_used.set(stats.swap_used_blocks)
         self.kv_cache_usage_ratio.set(stats.kv_used_blocks / stats.kv_total_blocks if stats.kv_total_blocks else 0.0)
+        # The scheduler counts cumulatively; counters take the difference (admission checks between
+        # steps are picked up by the next call).
+        if stats.prefix_cache_queries > self._prefix_queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._prefix_queries)
+            self._prefix_queries = stats.prefix_cache_queries
+        if stats.prefix_cache_hits > self._prefix_hits:
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._prefix_hits)
+            self._prefix_hits = stats.prefix_cache_hits
+        if stats.kv_alloc_failures > self._alloc_failures:
+            self.kv_alloc_failures.inc(stats.kv_alloc_failures - self._alloc_failures)
+            self._alloc_failures = stats.kv_alloc_failures
 
     def observe_tokens(self, priority_class: str, tenant: str, n: int) -> None:
         if n:
             self.generation_tokens.labels(*self.labels(priority_class, tenant)).inc(n)
 
     # -- per request ------------------------------------------------------------------------
+    def on_output_contract(self, result: str) -> None:
+        self.output_contract.labels(result).inc()
+
     def observe_rejection(self, reason: str, priority_class: str) -> None:
         # Reasons may carry detail after ':' ("too_long:5000>4096"); the label keeps the bounded kind.
         self.rejections.labels(reason.split(":", 1)[0], priority_class).inc()
@@ -167,7 +239,8 @@ class EngineMetrics:
 
     # -- state ------------------------------------------------------------------------------
     def set_model_info(self, model: str, device: str, dtype: str, quantization: str) -> None:
-        self.model_info.labels(model, device, dtype, quantization).set(1)
+        self.model_name = model
+        self.model_info.labels(model, device, dtype, quantization, self.service_version or "none").set(1)
 
     def set_quantization_record(self, model: str, summary: dict) -> None:
         labels = (model, summary["method"])
@@ -203,3 +276,73 @@ class _DecisionCounts:
         for (kind, reason), n in sorted(self._counts().items()):
             family.add_metric((kind, reason), n)
         yield family
+
+
+# vLLM's name -> (our series, type). Only series whose meaning is the same as vLLM's: a consumer of the
+# vLLM name must be able to trust it (prefix-cache counters are not here: vLLM counts tokens, we count
+# lookups). Counters and histograms are summed over priority_class and tenant.
+VLLM_SERIES: dict[str, tuple[str, str]] = {
+    "vllm:num_requests_running": ("requests_running", "gauge"),
+    "vllm:num_requests_waiting": ("requests_waiting", "gauge"),
+    "vllm:num_requests_swapped": ("requests_swapped", "gauge"),
+    "vllm:kv_cache_usage_perc": ("kv_cache_usage_ratio", "gauge"),
+    # The name before vLLM 0.10; the Inference Extension's endpoint picker defaulted to it until v0.5.
+    "vllm:gpu_cache_usage_perc": ("kv_cache_usage_ratio", "gauge"),
+    "vllm:prompt_tokens": ("prompt_tokens", "counter"),
+    "vllm:generation_tokens": ("generation_tokens", "counter"),
+    "vllm:num_preemptions": ("preemptions", "counter"),
+    "vllm:time_to_first_token_seconds": ("ttft", "histogram"),
+    "vllm:e2e_request_latency_seconds": ("e2e", "histogram"),
+    "vllm:inter_token_latency_seconds": ("itl", "histogram"),
+    "vllm:request_queue_time_seconds": ("queue_time", "histogram"),
+    "vllm:request_prefill_time_seconds": ("prefill_time", "histogram"),
+    "vllm:request_prompt_tokens": ("prompt_length", "histogram"),
+    "vllm:request_generation_tokens": ("output_length", "histogram"),
+}  # vLLM's name -> (the EngineMetrics attribute it reads, type)
+
+
+def vllm_metric_names() -> set[str]:
+    """Every sample name the vLLM view exports (counters with `_total`, histograms' parts)."""
+    out: set[str] = set()
+    for name, (_, typ) in VLLM_SERIES.items():
+        if typ == "counter":
+            out.add(name + "_total")
+        elif typ == "histogram":
+            out |= {name + "_bucket", name + "_sum", name + "_count"}
+        else:
+            out.add(name)
+    return out
+
+
+class _VllmView:
+    """`--metrics-compat vllm`: the `vllm:*` names of VLLM_SERIES, read from our series at scrape time."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # built at scrape time: nothing to check for name clashes at registration
+
+    def collect(self) -> Iterator[Metric]:
+        model = self._metrics.model_name
+        if not model:
+            return  # before the model loads there is no model_name to label with
+        for vname, (attr, typ) in VLLM_SERIES.items():
+            families = list(getattr(self._metrics, attr).collect())
+            if not families:
+                continue
+            family = families[0]
+            out = Metric(vname, f"vLLM-compatible view of {family.name}.", typ)
+            totals: dict[tuple[str, str], float] = {}
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                suffix = sample.name[len(family.name):]
+                le = sample.labels.get("le", "")
+                totals[(suffix, le)] = totals.get((suffix, le), 0.0) + sample.value
+            if not totals and typ == "counter":
+                totals[("_total", "")] = 0.0
+            for (suffix, le), value in totals.items():
+                labels = {"model_name": model, **({"le": le} if le else {})}
+                out.add_sample(vname + suffix, labels, value)
+            yield out
