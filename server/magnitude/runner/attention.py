@@ -9,11 +9,17 @@ context length (a bucket never pads to more than twice its shortest context), so
 is never padded to a long chunk and 12 short chats are not padded to one 1,500-token context.
 Without a `magnitude_batch` kwarg the function falls back to stock SDPA, so the same model object
 still works with `model.generate`.
+
+Two per-layer options transformers passes with the call are honoured, not ignored: `sliding_window`
+(Mistral, Qwen2/3, Gemma 2/3, Phi-3: a key is seen only if `query position - key position <
+window`, transformers' own rule) as an extra mask built once per step and group for each window
+size, and `softcap` (Gemma 2's attention logit soft-capping, `tanh(s / cap) * cap` before the
+softmax), which SDPA cannot do, so those layers run the attention as explicit matmuls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,6 +55,9 @@ class AttnGroup:
     # ~2 MB of K/V per layer otherwise). None when the gather is needed.
     q_offset: int | None = None
     kv_first_slot: int | None = None
+    # Each row's query position (padding rows: 0), for masks built on demand (sliding windows).
+    q_pos: np.ndarray | None = None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # Gather buffers, allocated at the first layer and reused by the others: a fresh multi-MB
     # tensor per layer cost more in page faults than the copy itself (5.8 vs 3.5 ms per layer for a
     # chunk attending to 1,500 tokens).
@@ -122,7 +131,41 @@ def _group(seqs: list[SeqSlice], block_size: int, device: torch.device, total_to
         dst_rows=dst_rows,
         q_offset=q_offset,
         kv_first_slot=kv_first_slot,
+        q_pos=q_pos,
     )
+
+
+def _group_mask(g: AttnGroup, window: int | None, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    """(mask, is_causal) for this group, with a sliding window when it cuts anything off. A window
+    no shorter than the longest context changes nothing, so the plain mask (or none) is kept."""
+    if window is None or window >= g.kv_len:
+        return g.mask, g.mask is None and g.q_index.shape[1] > 1
+    mask = g.window_masks.get(window)
+    if mask is None:
+        p = np.arange(g.kv_len, dtype=np.int64)[None, None, :]
+        q = g.q_pos[:, :, None]
+        mask = torch.from_numpy((p <= q) & (p > q - window)).unsqueeze(1).to(device)
+        g.window_masks[window] = mask
+    return mask, False
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         is_causal: bool, scale: float | None, softcap: float) -> torch.Tensor:
+    """Attention with logit soft-capping, as Gemma 2's eager attention computes it (scores scaled,
+    `tanh(s / cap) * cap`, masked, softmax in float32). q [B, H, Q, D]; k, v [B, KVH, L, D]."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and is_causal:
+        # Queries are the last Q of L positions (a whole prompt from position 0: Q == L).
+        ql, kl = q.shape[2], k.shape[2]
+        mask = torch.ones(ql, kl, dtype=torch.bool, device=q.device).tril(kl - ql)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def _buckets(seqs: list[SeqSlice]) -> list[list[SeqSlice]]:
@@ -180,8 +223,18 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     batch: PagedBatch | None = kwargs.pop("magnitude_batch", None)
+    window: int | None = kwargs.pop("sliding_window", None)
+    softcap: float | None = kwargs.pop("softcap", None)
     if batch is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if softcap:
+            # transformers' SDPA would drop the soft-capping; the mask it built already holds any window.
+            mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask > -1e30
+            if mask is not None:
+                mask = mask[:, :, :, : key.shape[-2]]
+            out = softcapped_attention(query, key, value, mask, mask is None and query.shape[2] > 1, scaling, softcap)
+            return out.transpose(1, 2).contiguous(), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      sliding_window=window, **kwargs)
 
     layer = module.layer_idx
     k_cache, v_cache = batch.k_layers[layer], batch.v_layers[layer]
@@ -214,10 +267,13 @@ def paged_attention_forward(
             torch.index_select(v_blocks, 0, flat, out=g.v_buf)
             k = g.k_buf.view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
             v = g.v_buf.view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
-        res = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=g.mask, is_causal=g.mask is None and q.shape[2] > 1,
-            scale=scaling, enable_gqa=True,
-        )
+        mask, causal = _group_mask(g, window, query.device)
+        if softcap:
+            res = softcapped_attention(q, k, v, mask, causal, scaling, softcap)
+        else:
+            res = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True,
+            )
         res = res.transpose(1, 2).to(out_dtype)  # [B, Qmax, heads, D]
         if out is None:
             return res, None

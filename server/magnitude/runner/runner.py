@@ -249,6 +249,13 @@ class ModelRunner:
             input_ids=input_ids, position_ids=position_ids, use_cache=False, magnitude_batch=batch
         ).last_hidden_state[0]
 
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the given rows, with the model's final soft-capping (Gemma 2) when it has one:
+        the runner calls the head itself, so the model's forward cannot apply it."""
+        logits = self.model.lm_head(hidden)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
     def _run(self, work: list[_Work], out: RunnerOutput, timing: StepTiming) -> None:
         t0 = time.perf_counter()
         input_ids, position_ids, batch = self._prepare(work, timing.num_tokens)
@@ -263,7 +270,7 @@ class ModelRunner:
         for w in samplers:
             last = w.offset + len(w.seq.token_ids) - 1
             rows.extend(range(last, last + len(w.drafts) + 1))
-        logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        logits = self._lm_head(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
@@ -331,7 +338,7 @@ class ModelRunner:
         for start in range(0, len(ids), chunk):
             seq = ScheduledSeq("score", ids[start : start + chunk], start, table, False, _GREEDY)
             hidden = self._hidden(*self._prepare([_Work(seq)], len(seq.token_ids)))
-            rows.append(torch.log_softmax(self.model.lm_head(hidden).float(), -1).cpu())
+            rows.append(torch.log_softmax(self._lm_head(hidden).float(), -1).cpu())
         return torch.cat(rows)
 
     @torch.inference_mode()
