@@ -108,7 +108,7 @@ def test_rendered_chart_watched_namespaces_binds_per_namespace() -> None:
 def engine_series() -> set[str]:
     """Every series name the engine's /metrics can carry (from its own adapter, fresh registry)."""
     registry = CollectorRegistry()
-    EngineMetrics(registry=registry)
+    EngineMetrics(registry=registry).register_decisions(dict)  # the engine registers its decision log's counts
     names: set[str] = set()
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     for family in registry.collect():
@@ -149,6 +149,14 @@ def test_dashboard_covers_the_promised_panels() -> None:
     assert has("queue_time", "priority_class") and has("kv_cache_usage_ratio", "service")
     assert has("preemptions_total", "reason") and has("rejections_total", "reason")
     assert has("engine_ready", "service") and has("admission_shedding", "service")
+    # issue 16: request rate, error rate by reason, E2E, prefix hit rate, batch occupancy, decisions by reason
+    assert has("requests_finished_total", "status") and has("rejections_total", "by (reason)")
+    assert has("e2e_request_latency", "priority_class") and has("prefix_cache_hits_total", "prefix_cache_queries_total")
+    assert has("batch_token_occupancy", "batch_sequence_occupancy") and has("decisions_total", "kind, reason")
+    every = " ".join(exprs.values())
+    # Grafana's window, not a fixed one; and no label only one way of scraping has (job, service)
+    assert "$__rate_interval" in every and not re.search(r"\[\d+[smh]\]", every)
+    assert not re.search(r"\b(job|service)\s*[=!]~?", every) and "by (service" not in every
 
 
 def test_alerts_cover_kv_full_shedding_and_ttft_burn() -> None:

@@ -295,6 +295,9 @@ def build_service_monitor(owner: Owner) -> dict[str, Any]:
         "spec": {
             "selector": {"matchLabels": n.selector_labels(owner.name)},
             "endpoints": [{"port": n.ENGINE_PORT_NAME, "path": "/metrics", "interval": "15s"}],
+            # The label annotation-based scraping gets from the pod (labelmap): the chart's dashboard
+            # selects ModelServices by it under either way of scraping.
+            "podTargetLabels": [n.LABEL_NAME],
         },
     }
 

@@ -189,6 +189,18 @@ class MetricsSpec(PolicyModel):
     )
 
 
+class MetricsSpec(PolicyModel):
+    """What the engine exports on /metrics besides its own `magnitude_*` series (docs/operator.md)."""
+
+    compat: Literal["none", "vllm"] = Field(
+        default="none",
+        description="vllm: the pods also export vLLM's metric names (vllm:num_requests_waiting, "
+        "vllm:kv_cache_usage_perc, vllm:time_to_first_token_seconds, ... labelled model_name), so the Gateway "
+        "API Inference Extension's endpoint picker and KEDA / prometheus-adapter recipes written for vLLM work "
+        "unchanged (`magnitude serve --metrics-compat vllm`). Changing it rolls the pods.",
+    )
+
+
 class ModelServiceSpec(EngineConfig):
     """`spec` of a ModelService: the engine policy (inherited) plus model, resources and scaling."""
 
@@ -235,6 +247,7 @@ class ModelServiceSpec(EngineConfig):
     )
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     auth: Auth = Field(default_factory=Auth)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
 
     @model_validator(mode="after")

@@ -23,6 +23,8 @@ CPU_ONLY_QUANTIZATIONS = frozenset({"w8a8", "w8a16", "int8"})
 # would win over it without a word (a flag beats its environment variable).
 AUTH_FLAGS = ("--auth-mode", "--api-keys-file")
 API_KEY_FLAG = "--api-key"
+# Set from spec.metrics.compat: in extraArgs it would silently win over the spec.
+METRICS_COMPAT_FLAG = "--metrics-compat"
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
                                     f"{spec.draft_model.num_speculative_tokens} exceeds "
                                     f"spec.scheduler.maxLookaheadTokens {spec.scheduler.max_lookahead_tokens}"))
     problems += _auth_problems(spec)
+    if any(_names_flag(a, METRICS_COMPAT_FLAG) for a in spec.extra_args):
+        problems.append(Problem("spec.extraArgs",
+                                f"{METRICS_COMPAT_FLAG} would override spec.metrics.compat without a word; "
+                                "set spec.metrics.compat instead"))
     sp = spec.scheduler
     if sp.prefill_chunk_size is None and sp.itl_target_ms is not None:
         problems.append(Problem("spec.scheduler.itlTargetMs",
@@ -70,7 +76,7 @@ def _names_flag(arg: str, flag: str) -> bool:
     given = arg.split("=", 1)[0]
     if given == flag:
         return True
-    exact = (*AUTH_FLAGS, API_KEY_FLAG)
+    exact = (*AUTH_FLAGS, API_KEY_FLAG, METRICS_COMPAT_FLAG)
     return len(given) > 2 and given.startswith("--") and flag.startswith(given) and given not in exact
 
 
