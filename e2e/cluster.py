@@ -47,6 +47,9 @@ def pod_cidr_for(pid: int) -> str:
     return f"127.{100 + pid % 150}.{(pid // 150) % 256}.0/24"
 
 NODE_NAME = "kwok-node-0"
+# A label a pod-shape nodeSelector can match (e2e/test_podshape.py); its taint of the same key is
+# put on by that scenario alone, since every other scenario's pods must still schedule here.
+NODE_POOL_LABEL = ("magnitude.dev/pool", "inference")
 IP_POOL_WARMUP_POD = "kwok-ip-pool-warmup"
 SERVICE_CIDR = "10.96.0.0/16"
 
@@ -369,7 +372,8 @@ def node_manifest(pod_cidr: str) -> dict:
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": NODE_NAME, "annotations": {"kwok.x-k8s.io/node": "fake"},
                      "labels": {"kubernetes.io/hostname": NODE_NAME, "kubernetes.io/os": "linux",
-                                "kubernetes.io/arch": "amd64", "type": "kwok"}},
+                                "kubernetes.io/arch": "amd64", "type": "kwok",
+                                NODE_POOL_LABEL[0]: NODE_POOL_LABEL[1]}},
         "spec": {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]},
         "status": {"capacity": {"cpu": "64", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"},
                    "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": "8"}},

@@ -108,6 +108,11 @@ INVALID = [
     ("negative budget", {"scheduler": {"tokenBudget": 0}}, "tokenBudget"),
     ("kv target above 1", {"autoscaling": {"targetKvUsage": 1.5}}, "targetKvUsage"),
     ("shed hysteresis inverted", {"loadShedding": {"kvUsageOn": 0.5, "kvUsageOff": 0.9}}, "kvUsageOff"),
+    ("two GPUs need tensor parallelism", {"resources": {"gpus": 2}}, "gpus"),
+    ("env the operator sets", {"pod": {"env": [{"name": "MAGNITUDE_CACHE", "value": "/x"}]}}, "env"),
+    ("env the operator sets (HF_TOKEN)", {"pod": {"env": [{"name": "HF_TOKEN", "value": "t"}]}}, "env"),
+    ("a label under the operator's prefix", {"pod": {"labels": {"serving.magnitude.dev/modelservice": "x"}}},
+     "labels"),
     ("unknown field", {"schedular": {}}, "schedular"),
     ("missing model", {"model": None}, "model"),
 ]

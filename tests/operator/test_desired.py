@@ -48,7 +48,7 @@ def test_children_carry_owner_reference_and_labels() -> None:
 
 
 def test_deployment_runs_magnitude_serve_with_probes_drain_and_gpus() -> None:
-    s = spec(resources={"gpus": 2, "cpu": "8", "memory": "64Gi"}, drainSeconds=45, modelLoadTimeoutSeconds=1200,
+    s = spec(resources={"gpus": 1, "cpu": "8", "memory": "64Gi"}, drainSeconds=45, modelLoadTimeoutSeconds=1200,
              dtype="bfloat16", extraArgs=["--runner", "simulated"])
     dep = d.build_deployment(OWNER, s, 3)
     c = container(dep)
@@ -58,7 +58,7 @@ def test_deployment_runs_magnitude_serve_with_probes_drain_and_gpus() -> None:
     assert c["args"][c["args"].index("--shutdown-grace") + 1] == "45"
     assert c["args"][c["args"].index("--dtype") + 1] == "bfloat16"
     assert c["args"][-2:] == ["--runner", "simulated"]
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["resources"]["requests"]["nvidia.com/gpu"] == "1"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     startup = c["startupProbe"]

@@ -130,6 +130,29 @@ def test_service_monitor_when_its_crd_is_served(api: Env, service_monitors: None
     assert reconcile(api.kube, api.current()).plan.empty
 
 
+def test_installation_defaults_reach_the_children_and_unknown_profiles_are_refused(
+        api: Env, service_monitors: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from magnitude.operator import reconcile as r
+
+    monkeypatch.setenv("MAGNITUDE_ENGINE_DEFAULTS", '{"image": "registry.example/engine:1", '
+                       '"serviceMonitorLabels": {"release": "kube-prometheus-stack"}, '
+                       '"profiles": {"l4": {"nodeSelector": {"gpu": "l4"}}}}')
+    r.installation_defaults.cache_clear()
+    try:
+        reconcile(api.kube, api.body(pod={"profile": "l4"}))
+        children = api.children()
+        assert children["ServiceMonitor"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        pod = children["Deployment"]["spec"]["template"]["spec"]
+        assert pod["containers"][0]["image"] == "registry.example/engine:1" and pod["nodeSelector"] == {"gpu": "l4"}
+        assert reconcile(api.kube, api.current()).plan.empty
+        result = reconcile(api.kube, api.body(pod={"profile": "h100"}))
+        degraded = next(c for c in result.status.conditions if c.type == "Degraded")
+        assert degraded.status == "True" and "spec.pod.profile" in degraded.message, degraded
+    finally:
+        monkeypatch.delenv("MAGNITUDE_ENGINE_DEFAULTS")
+        r.installation_defaults.cache_clear()
+
+
 def test_autoscaler_scale_down_ranks_pods_then_scales_with_events(api: Env, apiserver: ApiServer) -> None:
     reconcile(api.kube, api.body(minReplicas=1, maxReplicas=3, replicas=3, autoscaling={"enabled": True}))
     for i, name in enumerate(("p0", "p1", "p2")):

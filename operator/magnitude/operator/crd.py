@@ -19,6 +19,9 @@ from pydantic.fields import FieldInfo
 from magnitude.policy.schema import DNS_LABEL
 from magnitude.operator.spec import (
     GROUP,
+    RESERVED_ENV,
+    RESERVED_ENV_PREFIX,
+    RESERVED_LABEL_PREFIXES,
     KIND,
     PLURAL,
     SHORT_NAMES,
@@ -57,6 +60,27 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "rule": "self.mode == 'apiKeys' ? has(self.apiKeysSecretRef) : !has(self.apiKeysSecretRef)",
             "message": "apiKeysSecretRef is required when mode is apiKeys and not allowed with any other mode",
             "fieldPath": ".apiKeysSecretRef",
+        },
+    ],
+    "Resources": [
+        {
+            "rule": "self.gpus <= 1",
+            "message": "gpus above 1 needs tensor parallelism, which the engine does not have yet: use 0 or 1",
+            "fieldPath": ".gpus",
+        },
+    ],
+    "PodShape": [
+        {
+            "rule": f"self.env.all(e, !e.name.startsWith('{RESERVED_ENV_PREFIX}') && !(e.name in "
+            f"[{', '.join(repr(v) for v in sorted(RESERVED_ENV))}]))",
+            "message": f"env: {RESERVED_ENV_PREFIX}*, {', '.join(sorted(RESERVED_ENV))} are set by the operator "
+            "from the spec's own fields",
+            "fieldPath": ".env",
+        },
+        {
+            "rule": "self.labels.all(k, " + " && ".join(f"!k.startsWith('{p}')" for p in RESERVED_LABEL_PREFIXES) + ")",
+            "message": f"labels: the prefixes {', '.join(RESERVED_LABEL_PREFIXES)} belong to the operator",
+            "fieldPath": ".labels",
         },
     ],
     "LoadShedding": [
@@ -214,6 +238,12 @@ class _Converter:
             out = self.obj(self.defs[name], self.classes[name])
             if description:
                 out["description"] = description
+            return out, False
+        if node.get("type") == "object" and node.get("additionalProperties") is True:
+            # dict[str, Any]: a Kubernetes type passed through (affinity, volumes); the API server
+            # checks it when the operator applies the Deployment.
+            out = {k: node[k] for k in _COPIED_KEYS if k in node}
+            out["x-kubernetes-preserve-unknown-fields"] = True
             return out, False
         if node.get("type") == "object" and isinstance(node.get("additionalProperties"), dict):
             # A dict[str, X]: without `additionalProperties` the API server would prune every key.

@@ -20,8 +20,9 @@ from typing import Any
 import yaml
 
 from magnitude.operator import naming as n
+from magnitude.operator import podshape
 from magnitude.operator.servicever import config_hash, service_version
-from magnitude.operator.spec import API_VERSION, KIND, ModelServiceSpec, ModelServiceStatus
+from magnitude.operator.spec import API_VERSION, DEFAULT_ENGINE_IMAGE, KIND, ModelServiceSpec, ModelServiceStatus
 
 # Endpoints take a moment to drop a terminating pod; keep serving through that gap before SIGTERM.
 PRESTOP_SLEEP_SECONDS = 5
@@ -206,7 +207,7 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
     ]
     container = {
         "name": "engine",
-        "image": spec.image,
+        "image": spec.image or DEFAULT_ENGINE_IMAGE,  # reconcile folds the installation's default in first
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["magnitude"],
         "args": args,
@@ -237,6 +238,20 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
         pod_spec["tolerations"] = [
             {"key": spec.resources.gpu_resource_name, "operator": "Exists", "effect": "NoSchedule"}
         ]
+    template = {
+        "metadata": {
+            "labels": {**n.common_labels(owner.name), n.LABEL_SERVICE_VERSION: version},
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(n.ENGINE_PORT),
+                "prometheus.io/path": "/metrics",
+                n.ANNOTATION_SERVICE_VERSION: version,
+                n.ANNOTATION_CONFIG_HASH: config_hash(engine_document(spec)),
+            },
+        },
+        "spec": pod_spec,
+    }
+    podshape.apply(spec, template)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -246,19 +261,7 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
             "selector": {"matchLabels": n.selector_labels(owner.name)},
             # Surge, never dip: a rollout adds a pod before it removes one, so capacity holds.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {
-                    "labels": {**n.common_labels(owner.name), n.LABEL_SERVICE_VERSION: version},
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(n.ENGINE_PORT),
-                        "prometheus.io/path": "/metrics",
-                        n.ANNOTATION_SERVICE_VERSION: version,
-                        n.ANNOTATION_CONFIG_HASH: config_hash(engine_document(spec)),
-                    },
-                },
-                "spec": pod_spec,
-            },
+            "template": template,
         },
     }
 

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from magnitude.operator import autoscaler as a
+from magnitude.operator import defaults as engine_defaults
 from magnitude.operator import naming as n
 from magnitude.operator import quantization as q
 from magnitude.operator import status as st
@@ -53,6 +54,12 @@ def operator_namespace() -> str:
 
 
 TOKEN_KEY_ENV = "MAGNITUDE_OPERATOR_TOKEN_KEY"  # the chart passes its key Secret's value
+
+
+@functools.cache
+def installation_defaults() -> engine_defaults.EngineDefaults:
+    """The chart's engine defaults, read once (a change rolls the operator's own pod)."""
+    return engine_defaults.from_environment()
 
 
 @functools.cache
@@ -163,9 +170,14 @@ def reconcile(kube: Kube, body: dict[str, Any], decision: a.Decision | None = No
         _finish(kube, body, prev, st.build(prev, generation, obs, None, now_iso()), Plan(), None)
         raise
     replicas = decision.replicas if decision is not None else desired_replicas(spec, prev)
-    problems = tuple(unsupported(spec))
+    installation = installation_defaults()
+    problems = tuple(unsupported(spec)) + tuple(installation.problems(spec))
+    spec = installation.onto(spec)
     desired = build_all(owner, spec, replicas, service_monitor=kube.has_service_monitors(),
                         operator_namespace=operator_namespace())
+    for obj in desired:
+        if obj["kind"] == "ServiceMonitor":  # the labels kube-prometheus-stack's Prometheus selects on
+            obj["metadata"]["labels"] = {**installation.service_monitor_labels, **obj["metadata"]["labels"]}
     absent = absent_children(owner, spec)
     observed = kube.observe(desired + absent)
     the_plan, apply_error, written = Plan(), None, {}

@@ -8,7 +8,7 @@ turns these classes into the CRD's structural OpenAPI schema. Pure: pydantic onl
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -58,12 +58,20 @@ class DraftModel(PolicyModel):
 class Resources(PolicyModel):
     """What each engine pod asks the scheduler for."""
 
-    gpus: int = Field(default=0, ge=0, le=16, description="Accelerators per pod; 0 runs on CPU.")
+    gpus: int = Field(default=0, ge=0, le=16, description="Accelerators per pod; 0 runs on CPU. At most 1 until the "
+                      "engine has tensor parallelism (refused above that).")
     gpu_resource_name: str = Field(
         default="nvidia.com/gpu", max_length=253, description="Extended resource name of the accelerator."
     )
     cpu: str = Field(default="1", pattern=QUANTITY, max_length=32, description="CPU request (and limit).")
     memory: str = Field(default="2Gi", pattern=QUANTITY, max_length=32, description="Memory request (and limit).")
+
+    @model_validator(mode="after")
+    def _one_gpu_at_most(self) -> "Resources":
+        if self.gpus > 1:  # the same rule as the CRD's CEL (crd.CEL_RULES["Resources"])
+            raise ValueError(f"resources.gpus: {self.gpus} needs tensor parallelism, which the engine does not "
+                             "have yet: use 0 or 1")
+        return self
 
 
 class Autoscaling(PolicyModel):
@@ -189,16 +197,128 @@ class MetricsSpec(PolicyModel):
     )
 
 
-class MetricsSpec(PolicyModel):
-    """What the engine exports on /metrics besides its own `magnitude_*` series (docs/operator.md)."""
+# ---- pod shape (spec.pod) ---------------------------------------------------------------------
+# Names the operator sets on every engine pod. A spec.pod entry may add beside them, never replace
+# them: the operator's value would silently win (server-side apply) or break the pod.
+RESERVED_ENV_PREFIX = "MAGNITUDE_"
+RESERVED_ENV = frozenset({"POD_NAME", "HF_HOME", "HF_TOKEN", "XDG_CACHE_HOME", "TMPDIR"})
+RESERVED_VOLUMES = frozenset({"engine-config", "cache", "tmp", "api-keys", "dshm", "model-source", "model-cache"})
+RESERVED_MOUNT_PATHS = ("/etc/magnitude", "/etc/magnitude-auth", "/var/cache/magnitude", "/tmp", "/dev/shm",
+                        "/models")
+RESERVED_LABEL_PREFIXES = ("serving.magnitude.dev/", "app.kubernetes.io/")
+RESERVED_ANNOTATION_PREFIXES = ("serving.magnitude.dev/", "prometheus.io/")
+FreeForm = dict[str, Any]  # a Kubernetes type passed through as written (the API server checks it)
 
-    compat: Literal["none", "vllm"] = Field(
-        default="none",
-        description="vllm: the pods also export vLLM's metric names (vllm:num_requests_waiting, "
-        "vllm:kv_cache_usage_perc, vllm:time_to_first_token_seconds, ... labelled model_name), so the Gateway "
-        "API Inference Extension's endpoint picker and KEDA / prometheus-adapter recipes written for vLLM work "
-        "unchanged (`magnitude serve --metrics-compat vllm`). Changing it rolls the pods.",
-    )
+
+class LocalObjectReference(PolicyModel):
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+
+
+class Toleration(PolicyModel):
+    """A core/v1 Toleration."""
+
+    key: str | None = Field(default=None, max_length=316)
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = Field(default=None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(PolicyModel):
+    """A core/v1 EnvVar: `value`, or `valueFrom` (secretKeyRef, configMapKeyRef, fieldRef, ...)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    value: str | None = None
+    value_from: FreeForm | None = None
+
+
+class VolumeMount(PolicyModel):
+    """A core/v1 VolumeMount into the engine container."""
+
+    name: str = Field(min_length=1, max_length=63)
+    mount_path: str = Field(min_length=1, max_length=1024, pattern=r"^/")
+    read_only: bool | None = None
+    sub_path: str | None = Field(default=None, max_length=1024)
+
+
+def _reserved_path(path: str) -> str | None:
+    for ours in RESERVED_MOUNT_PATHS:
+        if path.rstrip("/") == ours or path.startswith(ours + "/") or ours.startswith(path.rstrip("/") + "/"):
+            return ours
+    return None
+
+
+class PodShape(PolicyModel):
+    """Where and how the engine pods run: the pod template fields a platform sets, named as in
+    the PodSpec. Each is added to what the operator writes; none replaces the operator's own
+    command, probes, volumes, env or labels (those are refused by name). The operator's security
+    settings stay unless `securityContext` / `containerSecurityContext` override them here."""
+
+    profile: str | None = Field(
+        default=None, max_length=63, pattern=DNS_LABEL,
+        description="A resource profile of the operator's (Helm value engine.profiles): its fields fill those "
+        "left empty here. Unknown names are refused (Degraded).")
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    affinity: FreeForm | None = Field(default=None, description="A core/v1 Affinity, passed through.")
+    topology_spread_constraints: list[FreeForm] = Field(
+        default_factory=list, max_length=8, description="core/v1 TopologySpreadConstraints, passed through "
+        "(labelSelector may use serving.magnitude.dev/modelservice: NAME).")
+    labels: dict[str, str] = Field(default_factory=dict, max_length=32, description="Extra pod labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=32, description="Extra pod annotations.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra engine env (e.g. HF_ENDPOINT).")
+    env_from: list[FreeForm] = Field(default_factory=list, max_length=16,
+                                     description="core/v1 EnvFromSources (configMapRef, secretRef, prefix).")
+    volumes: list[FreeForm] = Field(default_factory=list, max_length=16, description="Extra core/v1 Volumes.")
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=16,
+                                             description="Mounts of `volumes` into the engine container.")
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=8)
+    service_account_name: str | None = Field(
+        default=None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="The pods' ServiceAccount (e.g. for workload identity). Its token stays unmounted unless "
+        "automountServiceAccountToken says otherwise.")
+    automount_service_account_token: bool = Field(
+        default=False, description="Mount the ServiceAccount token into the engine (it never calls the API).")
+    priority_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN)
+    runtime_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN)
+    shm_size: str | None = Field(
+        default=None, pattern=QUANTITY, max_length=32,
+        description="Size of a memory-backed /dev/shm. Default: 1Gi on GPU pods, none on CPU pods.")
+    security_context: FreeForm | None = Field(
+        default=None, description="Overrides, key by key, the operator's pod securityContext "
+        "(runAsNonRoot, seccompProfile RuntimeDefault).")
+    container_security_context: FreeForm | None = Field(
+        default=None, description="Overrides, key by key, the operator's engine container securityContext "
+        "(no privilege escalation, all capabilities dropped, read-only root filesystem).")
+
+    @model_validator(mode="after")
+    def _no_reserved_names(self) -> "PodShape":
+        for i, e in enumerate(self.env):
+            if e.name in RESERVED_ENV or e.name.startswith(RESERVED_ENV_PREFIX):
+                raise ValueError(f"spec.pod.env[{i}].name: {e.name} is set by the operator (from the spec's own "
+                                 "fields), not through spec.pod.env")
+            if (e.value is None) == (e.value_from is None):
+                raise ValueError(f"spec.pod.env[{i}]: exactly one of value and valueFrom")
+        for field, keys, prefixes in (("labels", self.labels, RESERVED_LABEL_PREFIXES),
+                                      ("annotations", self.annotations, RESERVED_ANNOTATION_PREFIXES)):
+            for key in keys:
+                if key.startswith(prefixes):
+                    raise ValueError(f"spec.pod.{field}: {key} is under a prefix the operator owns "
+                                     f"({', '.join(prefixes)})")
+        names = [v.get("name") for v in self.volumes]
+        for i, name in enumerate(names):
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"spec.pod.volumes[{i}].name is required")
+            if name in RESERVED_VOLUMES:
+                raise ValueError(f"spec.pod.volumes[{i}].name: {name} is a volume the operator writes")
+        for i, m in enumerate(self.volume_mounts):
+            if m.name not in names:
+                raise ValueError(f"spec.pod.volumeMounts[{i}].name: {m.name} is not one of spec.pod.volumes")
+            ours = _reserved_path(m.mount_path)
+            if ours is not None:
+                raise ValueError(f"spec.pod.volumeMounts[{i}].mountPath: {m.mount_path} overlaps the operator's "
+                                 f"mount {ours}")
+        return self
 
 
 class ModelServiceSpec(EngineConfig):
@@ -218,7 +338,9 @@ class ModelServiceSpec(EngineConfig):
         "auto is the engine's default, float32 on CPU and bfloat16 on GPU.",
     )
     draft_model: DraftModel | None = Field(default=None, description="Speculative decoding draft model.")
-    image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1, max_length=512, description="Engine image.")
+    image: str | None = Field(
+        default=None, min_length=1, max_length=512,
+        description=f"Engine image. Unset: the operator's default (Helm value engine.image, else {DEFAULT_ENGINE_IMAGE}).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent")
     extra_args: list[str] = Field(
         default_factory=list, max_length=32, description="Extra arguments appended to `magnitude serve`."
@@ -247,7 +369,7 @@ class ModelServiceSpec(EngineConfig):
     )
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     auth: Auth = Field(default_factory=Auth)
-    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    pod: PodShape = Field(default_factory=PodShape)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
 
     @model_validator(mode="after")
