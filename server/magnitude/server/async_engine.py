@@ -194,6 +194,7 @@ class AsyncEngine:
         self._load_runner = load_runner
         self.phase = "starting"
         self.phase_progress = 0.0
+        self.phase_detail: dict[str, Any] = {}
         self.load_seconds: float | None = None
         self.error: str | None = None
         self.runner: Runner | None = None
@@ -220,8 +221,10 @@ class AsyncEngine:
         self._aio = asyncio.get_running_loop()
         threading.Thread(target=self._load, name="magnitude-loader", daemon=True).start()
 
-    def _on_progress(self, phase: str, fraction: float) -> None:
+    def _on_progress(self, phase: str, fraction: float, detail: dict[str, Any] | None = None) -> None:
+        # detail: what the phase reports beyond a fraction (downloading: bytes_done, bytes_total).
         self.phase, self.phase_progress = phase, max(0.0, min(1.0, float(fraction)))
+        self.phase_detail = dict(detail or {})
 
     def _load(self) -> None:
         t0 = time.monotonic()
@@ -254,7 +257,7 @@ class AsyncEngine:
                                         str(getattr(runner, "dtype", "none")).removeprefix("torch."),
                                         getattr(runner, "quantization", "none"))
             self.metrics.engine_ready.set(1)
-            self.phase, self.phase_progress = "ready", 1.0
+            self.phase, self.phase_progress, self.phase_detail = "ready", 1.0, {}
             log.info("engine ready: %s in %.1fs", self.model_name, self.load_seconds)
         except Exception as exc:  # noqa: BLE001 - a failed load is reported by /readyz, not a crash
             log.exception("model loading failed")
