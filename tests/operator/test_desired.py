@@ -245,3 +245,10 @@ def test_the_keys_secret_is_named_in_the_pod_template_never_its_content() -> Non
     other = d.build_deployment(OWNER, spec(auth={"mode": "apiKeys", "apiKeysSecretRef": {**ref, "name": "keys2"}}), 1)
     assert other["spec"]["template"] != one["spec"]["template"]
     assert service_version(spec(auth={"mode": "apiKeys", "apiKeysSecretRef": ref})) == service_version(spec())
+
+
+def test_kv_cache_memory_fraction_reaches_the_engine_config() -> None:
+    """The operator's half of kvCache.memoryFraction: the value in the spec is the value in the
+    engine's config file (how the engine sizes its pool from it is the engine's part)."""
+    doc = yaml.safe_load(d.build_config_map(OWNER, spec(kvCache={"memoryFraction": 0.55}))["data"][n.CONFIG_FILE])
+    assert doc["kvCache"]["memoryFraction"] == 0.55
