@@ -41,14 +41,14 @@ CHAT_FIELDS: dict[str, tuple[str, Any]] = {
     "model": (IMPLEMENTED, "simulated"),
     "moderation": (REFUSED, {"model": "omni-moderation-latest"}),
     "n": (IMPLEMENTED, 1),
-    "parallel_tool_calls": (REFUSED, False),
+    "parallel_tool_calls": (IMPLEMENTED, False),
     "prediction": (REFUSED, {"type": "content", "content": "hello"}),
     "presence_penalty": (IMPLEMENTED, -0.5),
     "prompt_cache_key": (IGNORED, "conversation-1"),
     "prompt_cache_options": (REFUSED, {"mode": "explicit", "ttl": "30m"}),
     "prompt_cache_retention": (REFUSED, "24h"),
     "reasoning_effort": (REFUSED, "low"),
-    "response_format": (REFUSED, {"type": "json_object"}),
+    "response_format": (IMPLEMENTED, {"type": "text"}),  # json_object / json_schema: test_structured_outputs.py
     "safety_identifier": (IGNORED, "hashed-user"),
     "seed": (IMPLEMENTED, 7),
     "service_tier": (IGNORED, "auto"),
@@ -57,8 +57,8 @@ CHAT_FIELDS: dict[str, tuple[str, Any]] = {
     "stream": (IMPLEMENTED, False),
     "stream_options": (IMPLEMENTED, None),
     "temperature": (IMPLEMENTED, 0.0),
-    "tool_choice": (REFUSED, "auto"),
-    "tools": (REFUSED, [TOOL]),
+    "tool_choice": (IMPLEMENTED, "auto"),  # required / named: test_structured_outputs.py
+    "tools": (IMPLEMENTED, [TOOL]),
     "top_logprobs": (IMPLEMENTED, 2),
     "top_p": (IMPLEMENTED, 0.9),
     "user": (IMPLEMENTED, "alice"),
@@ -131,6 +131,8 @@ def body_with(kind: str, field: str, value: Any) -> dict[str, Any]:
     body[field] = value
     if field == "top_logprobs":
         body["logprobs"] = True
+    if field in ("tool_choice", "parallel_tool_calls"):
+        body["tools"] = [TOOL]
     return body
 
 
@@ -194,10 +196,20 @@ def test_ignored_stream_option_is_accepted(sim_server: RunningServer) -> None:
 
 
 def test_unsupported_field_is_named_before_other_errors(sim_server: RunningServer) -> None:
-    body = {**base_body("chat"), "temperature": 9, "response_format": {"type": "json_object"}}
+    body = {**base_body("chat"), "temperature": 9, "reasoning_effort": "low"}
     r = httpx.post(sim_server.v1 + route("chat"), json=body, timeout=30)
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == "response_format"
+    assert r.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_constrained_decoding_is_refused_by_a_runner_that_cannot_do_it(sim_server: RunningServer) -> None:
+    """The simulated runner has no sampler to mask: a contract it cannot honour is refused, not ignored."""
+    for patch, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice")):
+        r = httpx.post(sim_server.v1 + route("chat"), json={**base_body("chat"), **patch}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        assert "cannot constrain decoding" in r.json()["error"]["message"]
 
 
 # -- message fields reach the chat template or are refused -------------------------------------------
@@ -214,7 +226,6 @@ TOOL_HISTORY = [
     "messages,param",
     [
         ([{"role": "user", "content": "hi", "name": "bob"}], "messages.0.name"),
-        (TOOL_HISTORY, "messages.1.tool_calls"),
     ],
 )
 def test_message_fields_the_template_drops_are_refused(sim_server: RunningServer, messages: list[dict[str, Any]],
@@ -224,6 +235,15 @@ def test_message_fields_the_template_drops_are_refused(sim_server: RunningServer
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert r.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_tool_history_reaches_a_template_without_tools_in_the_default_format(sim_server: RunningServer) -> None:
+    """The call and its result are rendered as text (tools.py's default format), ids and names kept."""
+    r = httpx.post(sim_server.url + "/tokenize", json={"messages": TOOL_HISTORY, "return_token_strs": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    text = httpx.post(sim_server.url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"]
+    assert 'Calling get_weather({"city": "Oslo"}) [call_1]' in text
+    assert "get_weather [call_1] returned: sunny" in text
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 # Below this, sampling is greedy (vLLM's _SAMPLING_EPS). Such a distribution is one-hot anyway
 # unless logits tie within 1e-5, and dividing by a temperature near float32's smallest values
 # (1e-40 is subnormal) overflows the logits to inf, which no sampler can draw from.
 GREEDY_TEMPERATURE = 1e-5
 MAX_REPETITION_PENALTY = 10.0  # beyond this every seen token is banned in effect; likely a unit mistake
+
+
+class TokenConstraint(Protocol):
+    """Which tokens may come next for one request (structured outputs, tool calls): a grammar
+    matcher's state, advanced by every token the request keeps. The runner asks it for a row of
+    the step's token bitmask before sampling and tells it the token chosen after."""
+
+    def fill_next_token_bitmask(self, bitmask: Any, row: int) -> None: ...
+
+    def accept_token(self, token_id: int) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -20,6 +31,10 @@ class SamplingParams:
     not returned); `stop_token_ids` end the request after that token, which is not returned either. `ignore_eos` generates exactly
     `max_tokens` (benchmarks). `logprobs` is the number of top alternatives to return per token
     (None: no logprobs).
+
+    `constraint` (structured outputs, tool calls) masks the tokens its grammar forbids before
+    anything else, so greedy rows, penalties, filters and logprobs all see the masked
+    distribution (logprobs then report it, not the model's raw one).
 
     Logit adjustments, applied to greedy and random rows alike before any filter (vLLM's
     semantics): `repetition_penalty` (>1 discourages every token already in the prompt or the
@@ -44,6 +59,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -27,6 +27,7 @@ from magnitude.engine.quantization import QuantizationRecord
 from magnitude.engine.sampling import SamplingParams
 from magnitude.runner import quant_eval
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
+from magnitude.runner.constraints import advance_constraint
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.quantize import CALIBRATION_TEXT, check_quantization, quantize_linears
@@ -71,6 +72,8 @@ _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 class ModelRunner:
     """The only object that touches torch for serving: model, paged KV pool, sampler."""
+
+    supports_constraints = True  # the sampler applies grammar masks (structured outputs, forced tool calls)
 
     def __init__(
         self,
@@ -200,8 +203,10 @@ class ModelRunner:
 
     def _drafts(self, s: ScheduledSeq) -> list[int]:
         # Rows whose logits are adjusted get no drafts: greedy verification compares drafts with the
-        # raw argmax, and a penalty's counts would have to include the drafts before them.
-        if not (s.sample and s.num_lookahead > 0 and self.draft_proposer is not None) or s.sampling.adjusts_logits:
+        # raw argmax, and a penalty's counts (or a grammar's state) would have to include the drafts
+        # before them.
+        if (not (s.sample and s.num_lookahead > 0 and self.draft_proposer is not None) or s.sampling.adjusts_logits
+                or s.sampling.constraint is not None):
             return []
         drafts: list[int] = []
         for t in list(self.draft_proposer.propose(s, s.num_lookahead))[: s.num_lookahead]:
@@ -294,6 +299,11 @@ class ModelRunner:
             if first[i] is None:
                 continue  # failed alone, in out.failed
             if not w.drafts or not w.seq.sampling.greedy:
+                try:
+                    advance_constraint(w.seq.sampling, first[i].token_id)
+                except ValueError as exc:  # this request's grammar is broken, not the step
+                    out.failed[w.seq.request_id] = f"sampling failed: {exc}"
+                    continue
                 out.sampled[w.seq.request_id] = [first[i]]
                 continue
             block = logits[first_rows[i] : first_rows[i] + len(w.drafts) + 1]

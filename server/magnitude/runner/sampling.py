@@ -12,7 +12,8 @@ Penalties and `logit_bias` change the logits of greedy and random rows before an
 token counts per row come from one `index_put_` over the flattened histories, so a batch costs a
 few [R, V] tensor ops whatever its mix. `min_p` is a filter beside top-k and top-p.
 Logprobs are those of the model's raw distribution (before temperature / top-k / top-p), as
-OpenAI reports them. Stop token ids and stop strings are the scheduler's and output processor's.
+OpenAI reports them, except under a grammar (structured outputs, constrained tool calls): the
+grammar's token mask comes first, so they are those of the masked distribution. Stop token ids and stop strings are the scheduler's and output processor's.
 A row that cannot be sampled (NaN or +inf logits from the model) raises ValueError naming it,
 greedy or not; the runner then fails only that row's request (`ModelRunner._sample`).
 """
@@ -25,6 +26,7 @@ import torch
 
 from magnitude.engine.output import SampledToken
 from magnitude.engine.sampling import SamplingParams
+from magnitude.runner.constraints import apply_constraints
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the 64-bit space
 NUCLEUS_CANDIDATES = 1024
@@ -158,7 +160,8 @@ def _logprob_info(logprobs_row: torch.Tensor, token: int, n_top: int) -> tuple[f
     if n_top <= 0:
         return chosen, []
     vals, ids = torch.topk(logprobs_row, n_top)
-    return chosen, [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    # Under a grammar fewer than n_top tokens may be possible: the impossible ones are no alternatives.
+    return chosen, [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist()) if v != float("-inf")]
 
 
 class Sampler:
@@ -175,7 +178,8 @@ class Sampler:
     def choose(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
                histories: Sequence[History] | None = None) -> list[int]:
         """One token per row. `steps[i]` is the request's output index (seeded draws use it);
-        `histories[i]` its tokens so far (penalties need them)."""
+        `histories[i]` its tokens so far (penalties need them). Rows under a grammar must already
+        be masked (`sample` does it)."""
         logits = logits.float()
         check_logits(logits)
         logits = adjust_logits(logits, params, histories)
@@ -198,6 +202,10 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         histories: Sequence[History] | None = None,
     ) -> list[SampledToken]:
+        if any(p.constraint is not None for p in params):
+            logits = logits.float()
+            check_logits(logits)
+            logits = apply_constraints(logits.clone(), params)
         tokens = self.choose(logits, params, steps, histories)
         return self.attach_logprobs(logits, params, tokens)
 

@@ -43,6 +43,7 @@ from magnitude.server.async_engine import (
     RequestStream,
     new_request_id,
 )
+from magnitude.server.answer import AnswerPlan, PlanError, plan_answer
 from magnitude.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from magnitude.server.errors import APIError, install_error_handlers
 from magnitude.server.protocol import (
@@ -54,6 +55,8 @@ from magnitude.server.protocol import (
     TokenizeCompletionRequest,
 )
 from magnitude.server.responses import SSE_DONE, ResponseBuilder, sse
+from magnitude.server.structured import Grammars, SchemaError
+from magnitude.server.tools import messages_for_template
 from magnitude.server.timeline import ArrivalStamp, arrival_of, client_request_id
 
 log = logging.getLogger("magnitude.server")
@@ -234,10 +237,15 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
     async def completions(body: CompletionRequest, request: Request, x_tenant: str | None = Header(default=None)) -> Response:
         return await _serve(body, request, x_tenant, chat=False)
 
-    # -- vLLM's tokenizer endpoints ---------------------------------------------------------------------
     def check_model(name: str | None) -> None:
+        """An omitted model means the served one (vLLM's behaviour with one model)."""
         if name is not None and name not in model_names():
             raise APIError(404, f"model '{name}' not found; available: {model_names()}", param="model", code="model_not_found")
+
+    def model_id(body: ChatCompletionRequest | CompletionRequest) -> str:
+        return body.model or next(iter(model_names()), "")
+
+    # -- vLLM's tokenizer endpoints ---------------------------------------------------------------------
 
     @app.post("/tokenize", dependencies=[Depends(require_api_key)])
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
@@ -247,7 +255,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         assert renderer is not None
         try:
             if isinstance(body, TokenizeChatRequest):
-                messages = [m.template_fields() for m in body.messages]
+                messages, _ = messages_for_template(renderer, [m.template_fields() for m in body.messages], None)
                 ids = await asyncio.to_thread(renderer.chat, messages, body.add_generation_prompt)
             else:
                 ids = await asyncio.to_thread(renderer.text, body.prompt, body.add_special_tokens)
@@ -273,16 +281,42 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             phase, message = engine.not_ready_reason()
             raise APIError(503, message, code=f"not_ready:{phase}", retry_after_s=NOT_READY_RETRY_S)
 
-    async def prepare(body: ChatCompletionRequest | CompletionRequest, who: Decision, chat: bool) -> RequestSpec:
+    grammars: list[Grammars] = []  # built on first use (xgrammar reads the whole vocabulary once)
+
+    async def constraint_for(plan: AnswerPlan, body: ChatCompletionRequest | CompletionRequest) -> Any:
+        """The request's grammar matcher, or None; 400 naming the field when it cannot be built."""
+        if plan.contract is None:
+            return None
+        param = plan.contract_param or "response_format"
+        runner = engine.runner
+        if not getattr(runner, "supports_constraints", False):
+            raise APIError(400, f"{param}: this engine's runner ({type(runner).__name__}) cannot constrain decoding",
+                           param=param, code="unsupported_parameter")
+        if not grammars:
+            assert runner is not None
+            built = await asyncio.to_thread(Grammars, runner.tokenizer, int(runner.vocab_size), list(runner.eos_token_ids))
+            grammars[:] = grammars or [built]
+        try:
+            return await asyncio.to_thread(grammars[0].constraint, plan.contract)
+        except SchemaError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param, code="invalid_schema") from exc
+
+    async def prepare(body: ChatCompletionRequest | CompletionRequest, who: Decision, chat: bool) -> tuple[AnswerPlan, RequestSpec]:
         """Checks that need the loaded model, then tokenization and sampling parameters."""
-        if body.model not in model_names():
-            raise APIError(404, f"model '{body.model}' not found; available: {model_names()}", param="model", code="model_not_found")
+        check_model(body.model)
         classes = [c.name for c in engine.config.scheduler.priority_classes]
         priority_class = who.priority_class
         if priority_class not in classes:
             raise APIError(400, f"unknown priority_class '{priority_class}'; known: {classes}", param=who.class_param)
         renderer = engine.renderer
         assert renderer is not None
+        plan = AnswerPlan()
+        if isinstance(body, ChatCompletionRequest):
+            try:
+                plan = plan_answer(body)
+            except PlanError as exc:
+                raise APIError(400, str(exc), param=exc.param, code="invalid_schema") from exc
+        constraint = await constraint_for(plan, body)
         prompt_param = "messages" if chat else "prompt"
         limit = engine.max_model_len
         # Bounded before any rendering or tokenizing: more characters (or ids) than can fit.
@@ -297,14 +331,15 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             )
         try:
             if isinstance(body, ChatCompletionRequest):
-                messages = [m.template_fields() for m in body.messages]
+                messages, tools = await asyncio.to_thread(
+                    messages_for_template, renderer, [m.template_fields() for m in body.messages], plan.tools)
                 dropped = renderer.unrendered_field(messages)
                 if dropped is not None:
                     index, field = dropped
                     raise APIError(400, f"messages[{index}].{field}: this model's chat template does not render it, "
                                         "so it would be dropped", param=f"messages.{index}.{field}",
                                    code="unsupported_parameter")
-                ids = await asyncio.to_thread(renderer.chat, messages)
+                ids = await asyncio.to_thread(renderer.chat, messages, True, tools)
             elif isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
                 ids = body.prompt  # type: ignore[assignment]
                 if len(ids) < limit:
@@ -359,10 +394,11 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
                 min_p=body.min_p,
                 logit_bias=bias,
                 stop_token_ids=list(body.stop_token_ids or []),
+                constraint=constraint,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
-        return RequestSpec(
+        return plan, RequestSpec(
             prompt_token_ids=ids,
             sampling=sampling,
             priority_class=priority_class,
@@ -404,10 +440,11 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         if body.stream and body.include_progress and not engine.ready and engine.phase not in ("failed",) and not engine.stopping:
             return StreamingResponse(_stream_after_loading(body, who, chat, arrival, client_id), media_type="text/event-stream")
         check_not_ready()
-        spec = await prepare(body, who, chat)
+        plan, spec = await prepare(body, who, chat)
         spec.arrival, spec.client_request_id = arrival, client_id
         stream = submit(spec)
-        builder = ResponseBuilder(stream.request_id, chat, body.model, want_logprobs=spec.sampling.logprobs is not None)
+        builder = ResponseBuilder(stream.request_id, chat, model_id(body), want_logprobs=spec.sampling.logprobs is not None,
+                                  plan=plan, on_contract=engine.metrics.on_output_contract)
         headers = {"X-Request-Id": stream.request_id}
         if body.stream:
             return StreamingResponse(
@@ -419,7 +456,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         body: ChatCompletionRequest | CompletionRequest, who: Decision, chat: bool, arrival: float | None, client_id: str | None
     ) -> AsyncIterator[str]:
         """Streaming request that arrived while loading: report loading progress, then serve it."""
-        builder = ResponseBuilder(new_request_id(), chat, body.model)
+        builder = ResponseBuilder(new_request_id(), chat, model_id(body), on_contract=engine.metrics.on_output_contract)
         queue: list[str] = []
 
         async def report(ev: Progress) -> None:
@@ -435,7 +472,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
                 yield queue.pop(0)
             waiter.result()
             loading_s = 0.0 if arrival is None else max(0.0, engine.clock() - arrival)
-            spec = await prepare(body, who, chat)
+            builder.plan, spec = await prepare(body, who, chat)
             spec.arrival, spec.loading_s, spec.client_request_id = arrival, loading_s, client_id
             stream = submit(spec, builder.request_id)
         except (APIError, NotReady) as exc:
@@ -459,9 +496,12 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
                 if isinstance(ev, Progress):
                     yield sse(builder.progress_chunk(ev))
                 elif isinstance(ev, Delta):
-                    yield sse(builder.delta_chunk(ev))
+                    chunk = builder.delta_chunk(ev)
+                    if chunk is not None:
+                        yield sse(chunk)
                 elif isinstance(ev, Finished):
-                    yield sse(builder.finish_chunk(ev))
+                    for chunk in builder.finish_chunks(ev):
+                        yield sse(chunk)
                     if include_usage:
                         yield sse(builder.usage_chunk(ev))
                 elif isinstance(ev, Failed):

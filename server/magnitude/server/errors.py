@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import uuid
 
 from fastapi import FastAPI, Request
@@ -77,7 +78,8 @@ def _param_of(loc: tuple | list) -> str | None:
     """`('body', 'messages', 0, 'role')` -> `messages.0.role`; pydantic's union branch tags are dropped."""
     parts = [str(p) for p in loc if p != "body"]
     # Union branches show up as type names like 'str', 'list[str]', 'function-after[...]'.
-    parts = [p for p in parts if not (p.startswith(("list[", "function-", "constrained-")) or p in ("str", "int", "float", "bool", "TextPart"))]
+    parts = [p for p in parts if not (p.startswith(("list[", "function-", "constrained-", "literal[", "dict["))
+                                      or p in ("str", "int", "float", "bool") or p[:1].isupper())]
     return ".".join(parts) or None
 
 
@@ -96,6 +98,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", code="json_invalid")
     param = _param_of(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value"))
+    # A check over a whole object names its field first ("tool_choice: requires tools"): the
+    # parameter is that field of the object the check ran on.
+    named = re.match(r"Value error, ([a-z_][a-z_0-9.]*): ", msg)
+    if named and (param is None or not param.endswith(named.group(1))):
+        param = f"{param}.{named.group(1)}" if param else named.group(1)
     if first.get("type") == "missing":
         message = f"missing required parameter '{param}'"
     else:

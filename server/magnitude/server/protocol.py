@@ -74,7 +74,8 @@ class _SamplingRequest(_Strict):
     def _drop_ignored(cls, data: Any) -> Any:
         return _drop(data, IGNORED_FIELDS)
 
-    model: str = Field(min_length=1, max_length=512)
+    model: str | None = Field(default=None, min_length=1, max_length=512,
+                              description="May be omitted: the served model is used.")
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -202,17 +203,91 @@ class ChatMessage(_Strict):
         return len(self.content or "")
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = Field(default="response", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=100_000)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = Field(default=None, description="Decoding is constrained whether or not strict is set.")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema_present(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required when type is 'json_schema'")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError("json_schema: only allowed when type is 'json_schema'")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = Field(default=None, max_length=100_000)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(default=None, description="Forced calls are constrained whether or not strict is set.")
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice: requires tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: names function '{self.tool_choice.function.name}', which is not in tools")
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise ValueError("parallel_tool_calls: requires tools")
+        if self.response_format is not None and self.response_format.type != "text" and self.tool_mode not in ("none",):
+            raise ValueError("response_format: cannot be combined with tools unless tool_choice is 'none'")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named (OpenAI's default: auto when tools are given)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -4,6 +4,11 @@ One `ResponseBuilder` per request knows its id, kind (chat or text), model and c
 turns engine events into OpenAI JSON: full responses, stream chunks, progress chunks (empty
 `choices` plus a `progress` object, a Magnitude extension) and the usage chunk. Per-request
 timing (queue time, TTFT, mean ITL, e2e) travels as the extension field `timing`.
+
+A chat answer with tools or a response format is shaped by its `AnswerPlan` (`answer.py`): tool
+calls become `tool_calls` (streamed as one delta per call once the answer is complete; in `auto`
+mode the content before the first call streams as it comes), and the output contract's verdict
+goes to `timing.output_contract` and to `on_contract` (the metric).
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+from magnitude.server.answer import Answer, AnswerPlan
 from magnitude.server.async_engine import Delta, Finished, Progress
 from magnitude.server.output_processor import TokenLogprob
+from magnitude.server.tools import AutoCallFilter
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -31,8 +38,12 @@ class ResponseBuilder:
     chat: bool
     model: str
     want_logprobs: bool = False
+    plan: AnswerPlan = field(default_factory=AnswerPlan)
+    on_contract: Callable[[str], None] | None = None  # counts each contract verdict once
     created: int = field(default_factory=lambda: int(time.time()))
     _text_offset: int = 0
+    _streamed_text: list[str] = field(default_factory=list)
+    _auto_filter: AutoCallFilter = field(default_factory=AutoCallFilter)
 
     @property
     def id(self) -> str:
@@ -88,23 +99,53 @@ class ResponseBuilder:
         chunk["progress"] = ev.as_dict()
         return chunk
 
-    def delta_chunk(self, ev: Delta) -> dict[str, Any]:
+    def delta_chunk(self, ev: Delta) -> dict[str, Any] | None:
+        """The chunk for a text delta; None when a tool-call answer holds the text back."""
+        self._streamed_text.append(ev.text)
+        text = ev.text
+        if self.plan.parses_calls:
+            assert self.plan.tools is not None
+            text = self._auto_filter.feed(ev.text) if self.plan.tools.mode == "auto" else ""
+            if not text and not self.want_logprobs:
+                return None
         choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(ev.logprobs), "finish_reason": None}
         if self.chat:
-            choice["delta"] = {"content": ev.text}
+            choice["delta"] = {"content": text}
         else:
-            choice["text"] = ev.text
+            choice["text"] = text
         return self._envelope(self._chunk_object, [choice])
 
-    def finish_chunk(self, ev: Finished) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
+    def finish_chunks(self, ev: Finished) -> list[dict[str, Any]]:
+        """The answer's last chunks: held-back content or the tool calls, then the finish."""
+        answer = self._answer("".join(self._streamed_text), ev)
+        chunks = []
+        if self.plan.parses_calls and not answer.tool_calls:
+            rest = answer.content if self.plan.tools and self.plan.tools.mode != "auto" else self._auto_filter.rest()
+            if rest:
+                chunks.append(self._envelope(self._chunk_object, [
+                    {"index": 0, "delta": {"content": rest}, "logprobs": None, "finish_reason": None}]))
+        if answer.tool_calls:
+            calls = [{"index": i, **c} for i, c in enumerate(answer.tool_calls)]
+            chunks.append(self._envelope(self._chunk_object, [
+                {"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]))
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": answer.finish_reason}
         if self.chat:
             choice["delta"] = {}
         else:
             choice["text"] = ""
         chunk = self._envelope(self._chunk_object, [choice])
         chunk["timing"] = ev.timing
-        return chunk
+        chunks.append(chunk)
+        return chunks
+
+    def _answer(self, text: str, fin: Finished) -> Answer:
+        """The plan's reading of the finished text; records the contract verdict (once)."""
+        answer = self.plan.finish(text, fin.finish_reason)
+        if answer.contract is not None and "output_contract" not in fin.timing:
+            fin.timing["output_contract"] = answer.contract  # type: ignore[assignment]
+            if self.on_contract is not None:
+                self.on_contract(answer.contract)
+        return answer
 
     def usage_chunk(self, ev: Finished) -> dict[str, Any]:
         chunk = self._envelope(self._chunk_object, [])
@@ -117,11 +158,15 @@ class ResponseBuilder:
         text = "".join(d.text for d in deltas)
         lps = [lp for d in deltas for lp in d.logprobs]
         if self.chat:
+            answer = self._answer(text, fin)
+            message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+            if answer.tool_calls:
+                message["tool_calls"] = answer.tool_calls
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": self.logprobs(lps),
-                "finish_reason": fin.finish_reason,
+                "finish_reason": answer.finish_reason,
             }
             body = self._envelope("chat.completion", [choice])
         else:

@@ -39,16 +39,34 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.max_chars_per_token = longest_token_chars(tokenizer)
         self._rendered: dict[tuple[str, str], bool] = {}
+        self._renders_tools: bool | None = None
 
     def max_prompt_chars(self, max_model_len: int) -> int:
         """Characters above which a prompt cannot fit `max_model_len` tokens, whatever it says.
         Counted on the message texts before the chat template, which only adds text."""
         return max_model_len * self.max_chars_per_token
 
-    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
+        extra = {"tools": tools} if tools else {}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **extra)
         # The template already wrote the special tokens it wants.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template has a tools block: it writes a probe tool's name when given
+        `tools=` (else the server renders tools in its default format, `tools.py`)."""
+        if self._renders_tools is None:
+            probe = [{"type": "function", "function": {"name": _SENTINEL.replace("-", "_"), "description": "x",
+                                                         "parameters": {"type": "object", "properties": {}}}}]
+            try:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                                          add_generation_prompt=True, tools=probe)
+                self._renders_tools = _SENTINEL.replace("-", "_") in text
+            except Exception:  # noqa: BLE001 - a template that cannot take tools has no tools block
+                self._renders_tools = False
+        return self._renders_tools
 
     def unrendered_field(self, messages: list[dict[str, Any]]) -> tuple[int, str] | None:
         """(index, field) of the first message field the chat template does not render, or None."""
