@@ -130,6 +130,7 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
             block_size=config.kv_cache.block_size,
             num_blocks=config.kv_cache.num_blocks,
             num_swap_blocks=config.kv_cache.swap_blocks,
+            memory_fraction=config.kv_cache.memory_fraction,
             progress=progress,
         )
         if args.served_model_name:

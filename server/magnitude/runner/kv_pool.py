@@ -9,8 +9,12 @@ only owns the memory and the swap copies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
+
+ACTIVATION_HEADROOM = 0.1  # of the weights' size, kept free for a large mixed step's activations
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,14 +35,63 @@ def blocks_for_budget(shape: KVShape, budget_bytes: int) -> int:
     return max(1, budget_bytes // shape.bytes_per_block)
 
 
-def default_num_blocks(shape: KVShape, device: torch.device, weight_bytes: int) -> int:
-    """Size the device pool from memory: 80% of what is free after the weights on CUDA; on CPU a
-    fixed 1 GiB (the host is shared with other processes, so never take a fraction of it)."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        # Keep headroom for activations of a large mixed step (logits, MLP intermediates).
-        return blocks_for_budget(shape, int(free * 0.8) - weight_bytes // 10)
-    return blocks_for_budget(shape, 1 << 30)
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def host_available_bytes(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Memory this process can still take on the host: MemAvailable, bounded by the container's
+    cgroup limit less its usage (v2 memory.max/current, else v1 limit_in_bytes/usage_in_bytes) —
+    in a pod the limit, not the node's memory, is what the OOM killer enforces."""
+    available = None
+    for line in (proc / "meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    if available is None:
+        raise RuntimeError(f"no MemAvailable in {proc / 'meminfo'}")
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(cgroup / limit_file), _read_int(cgroup / usage_file)
+        if limit is not None and usage is not None and limit < (1 << 60):
+            return max(0, min(available, limit - usage))
+    return available
+
+
+def default_num_blocks(shape: KVShape, device: torch.device, weight_bytes: int, memory_fraction: float = 0.9,
+                       free_bytes: int | None = None) -> int:
+    """Size the device pool from `kvCache.memoryFraction`: that share of the memory that was free
+    before the weights (free now + the weights) holds the weights and the KV cache, less a tenth of
+    the weights' size for activations. Free memory is the device's (CUDA) or the host's available
+    memory within the container's limit (CPU), measured after the weights are loaded. A fraction
+    too small to hold one block is refused, naming the field."""
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"kvCache.memoryFraction must be in (0, 1], got {memory_fraction}")
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available_bytes()
+    budget = int(memory_fraction * (free_bytes + weight_bytes)) - weight_bytes - int(weight_bytes * ACTIVATION_HEADROOM)
+    if budget < shape.bytes_per_block:
+        raise ValueError(
+            f"kvCache.memoryFraction {memory_fraction} leaves {max(budget, 0) / 2**20:.0f} MiB for the KV cache "
+            f"({free_bytes / 2**30:.2f} GiB free on {device.type} after {weight_bytes / 2**30:.2f} GiB of weights); "
+            f"one block needs {shape.bytes_per_block / 2**20:.2f} MiB: raise it or set kvCache.numBlocks")
+    return blocks_for_budget(shape, budget)
+
+
+def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    """A zeroed pool. On the CPU through calloc (numpy): a large block comes from fresh pages the
+    kernel zeroes on first touch, so an idle pool costs address space, not memory, where
+    `torch.zeros` writes every page at start. Zeros, not `torch.empty`: the attention gathers
+    whole blocks and masks positions a sequence has not written, and uninitialised memory there
+    could hold NaN, which a mask does not remove (NaN * 0 is NaN)."""
+    if device.type != "cpu" or pin or 0 in dims:
+        return torch.zeros(dims, dtype=dtype, device=device, pin_memory=pin)
+    elem = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(int(np.prod(dims, dtype=np.int64)) * elem, dtype=np.uint8))
+    return raw.view(dtype).view(dims)
 
 
 class PagedKVPool:
@@ -54,10 +107,10 @@ class PagedKVPool:
         self.num_swap_blocks = num_swap_blocks
         self.device = device
         dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-        self.device_cache = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self.device_cache = _zeros(dims, shape.dtype, device, pin=False)
         host_dims = (shape.num_layers, 2, num_swap_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
         pin = device.type == "cuda"
-        self.host_cache = torch.zeros(host_dims, dtype=shape.dtype, device="cpu", pin_memory=pin)
+        self.host_cache = _zeros(host_dims, shape.dtype, torch.device("cpu"), pin=pin)
         slots = num_blocks * shape.block_size
         self.k_layers = [self.device_cache[i, 0].view(slots, shape.num_kv_heads, shape.head_dim)
                          for i in range(shape.num_layers)]

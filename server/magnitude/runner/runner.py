@@ -91,10 +91,12 @@ class ModelRunner:
         quantization: str | None = None,
         record_cache: Path | None = None,
         evaluate_quantization: bool = True,
+        memory_fraction: float = 0.9,
     ) -> None:
         """`record_cache`: where quantization evaluation records are kept across restarts (None:
         measure on every load). `evaluate_quantization=False` skips the evaluation (tests of the
-        runner's numerics); `quantization_record` is then None."""
+        runner's numerics); `quantization_record` is then None. `memory_fraction`
+        (`kvCache.memoryFraction`) sizes the KV pool when `num_blocks` is None (kv_pool.py)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_threads:
@@ -132,7 +134,7 @@ class ModelRunner:
             # Buffers too: int8 weights are buffers, not parameters.
             weight_bytes = sum(t.numel() * t.element_size()
                                for t in (*self.model.parameters(), *self.model.buffers()))
-            num_blocks = default_num_blocks(shape, self.device, weight_bytes)
+            num_blocks = default_num_blocks(shape, self.device, weight_bytes, memory_fraction)
         self.kv = PagedKVPool(shape, num_blocks, num_swap_blocks, self.device)
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks

@@ -1,0 +1,89 @@
+"""`kvCache.memoryFraction` sizes the KV pool on the CPU too (host memory within the container's
+cgroup limit), a fraction that leaves no room is refused by name, and the CPU pool is zeroed
+without writing every page at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from magnitude.runner.kv_pool import KVShape, _zeros, default_num_blocks, host_available_bytes  # noqa: E402
+
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)  # 8 KiB a block
+GIB = 1 << 30
+
+
+def test_fraction_of_free_memory_holds_weights_and_cache():
+    assert SHAPE.bytes_per_block == 8192
+    # 0.5 * (3 GiB free + 1 GiB weights) - 1 GiB weights - 0.1 GiB headroom
+    expected = (int(0.5 * 4 * GIB) - GIB - int(0.1 * GIB)) // 8192
+    assert default_num_blocks(SHAPE, torch.device("cpu"), GIB, 0.5, free_bytes=3 * GIB) == expected
+    assert default_num_blocks(SHAPE, torch.device("cpu"), GIB, 0.9, free_bytes=3 * GIB) > expected
+
+
+def test_a_fraction_with_no_room_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"kvCache.memoryFraction 0.2 leaves 0 MiB"):
+        default_num_blocks(SHAPE, torch.device("cpu"), GIB, 0.2, free_bytes=3 * GIB)
+    with pytest.raises(ValueError, match="kvCache.memoryFraction"):
+        default_num_blocks(SHAPE, torch.device("cpu"), GIB, 1.5, free_bytes=3 * GIB)
+
+
+def _fake_host(tmp_path: Path, available_kib: int, cgroup: dict[str, str]) -> tuple[Path, Path]:
+    proc, cg = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemFree: 1 kB\nMemAvailable: {available_kib} kB\n")
+    for name, value in cgroup.items():
+        (cg / name).parent.mkdir(parents=True, exist_ok=True)
+        (cg / name).write_text(value + "\n")
+    cg.mkdir(exist_ok=True)
+    return proc, cg
+
+
+def test_host_memory_is_bounded_by_the_cgroup_limit(tmp_path):
+    proc, cg = _fake_host(tmp_path / "a", 8 * 1024 * 1024, {"memory.max": str(4 * GIB), "memory.current": str(GIB)})
+    assert host_available_bytes(proc, cg) == 3 * GIB
+    proc, cg = _fake_host(tmp_path / "b", 8 * 1024 * 1024, {"memory.max": "max", "memory.current": str(GIB)})
+    assert host_available_bytes(proc, cg) == 8 * GIB
+    proc, cg = _fake_host(tmp_path / "c", 8 * 1024 * 1024, {"memory/memory.limit_in_bytes": str(2 * GIB),
+                                                             "memory/memory.usage_in_bytes": str(GIB // 2)})
+    assert host_available_bytes(proc, cg) == GIB + GIB // 2
+    proc, cg = _fake_host(tmp_path / "d", 1024 * 1024, {"memory.max": str(4 * GIB), "memory.current": str(GIB)})
+    assert host_available_bytes(proc, cg) == GIB  # the host has less than the limit allows
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_pool_is_zero_and_not_written_at_start(dtype):
+    dims = (4, 2, 2048, 16, 8, 64)  # 512 MiB in fp32
+    before = _rss_bytes()
+    pool = _zeros(dims, dtype, torch.device("cpu"), pin=False)
+    grown = _rss_bytes() - before
+    nbytes = pool.numel() * pool.element_size()
+    assert pool.shape == dims and pool.dtype == dtype and pool.is_contiguous()
+    assert grown < nbytes // 8, f"RSS grew {grown >> 20} MiB for a {nbytes >> 20} MiB pool"
+    # Zero wherever it is read (a few scattered blocks, not the whole pool: that would fault it all in).
+    for idx in [(0, 0, 0), (3, 1, 2047), (2, 0, 1000)]:
+        assert not pool[idx].any()
+    pool[1, 1, 7].fill_(1.0)
+    assert pool[1, 1, 7].all() and not pool[1, 1, 8].any()
+
+
+@pytest.mark.model
+def test_runner_pool_follows_memory_fraction(tmp_path):
+    from magnitude.runner import ModelRunner
+
+    from .tiny_models import build_tiny_model
+
+    path = str(build_tiny_model("llama", tmp_path / "m"))
+    small = ModelRunner(path, device="cpu", dtype="float32", memory_fraction=0.2, warmup=False, num_threads=1)
+    large = ModelRunner(path, device="cpu", dtype="float32", memory_fraction=0.9, warmup=False, num_threads=1)
+    # Both measured against the same host: 0.9 of it is far more than 0.2, whatever else runs.
+    assert large.num_blocks > 3 * small.num_blocks > 0
+    with pytest.raises(ValueError, match="kvCache.memoryFraction"):
+        ModelRunner(path, device="cpu", dtype="float32", memory_fraction=1e-9, warmup=False)
