@@ -6,6 +6,7 @@ import pytest
 from sched_helpers import fake_output, make_request, make_scheduler
 
 from magnitude.engine.admission import QueueView, check_admission
+from magnitude.engine.output import RunnerOutput, SampledToken
 from magnitude.engine.queue import COMPACT_SLACK, RequestQueue
 from magnitude.policy.schema import AdmissionPolicy
 
@@ -154,3 +155,58 @@ def test_compaction_keeps_the_order_of_the_live_requests() -> None:
     assert q.num_entries <= 2 * len(q) + COMPACT_SLACK
     live = reqs[2::3]
     assert drain(q, 0.0) == [r.request_id for r in sorted(live, key=lambda r: (r.priority, r.arrival_time))]
+
+
+def uncapped(rid: str, prompt: int, cap: int, estimate: int | None) -> "object":
+    """A request whose max_tokens is only a cap (no ignore_eos), as one without max_tokens is."""
+    from magnitude.engine.request import Request
+    from magnitude.engine.sampling import SamplingParams
+
+    r = Request(rid, None, prompt, SamplingParams(max_tokens=cap), 0.0, priority_class="standard")
+    r.output_estimate = estimate
+    return r
+
+
+def test_queue_bounds_count_the_expected_output_not_the_cap() -> None:
+    """A request without max_tokens may run to the end of an 8k context; counted at its cap it
+    would fill the token queue by itself. Counted at the expected output it is admitted, while
+    the length and capacity checks still take the cap."""
+    policy = AdmissionPolicy.model_validate({"maxQueuedTokens": 4000})
+    r = uncapped("r", 100, 8000, estimate=200)
+    assert r.remaining_work_tokens == 100 + 200 - 1
+    assert check_admission(r, view(queued_tokens=1000), policy, 0.0).accepted
+    r.output_estimate = None  # no estimate: the cap, as before
+    assert check_admission(r, view(queued_tokens=1000), policy, 0.0).reason == "queue_tokens_full"
+    r.output_estimate = 200
+    assert check_admission(r, view(kv_capacity_tokens=4096), policy, 0.0).reason == "exceeds_kv_capacity:8099>4096"
+
+
+def test_the_estimate_never_undercounts_what_is_already_generated() -> None:
+    r = uncapped("r", 10, 500, estimate=20)
+    r.output_token_ids = [1] * 30
+    assert r.expected_output_tokens == 31
+    r.sampling.ignore_eos = True  # the length is known: the cap is the output
+    assert r.expected_output_tokens == 500
+
+
+def test_the_scheduler_learns_the_mean_output_length() -> None:
+    s = make_scheduler("admission.expectedOutputTokens=300", "kvCache.numBlocks=256")
+    first = uncapped("first", 8, 1000, estimate=None)
+    s.add_request(first, 0.0)
+    assert first.output_estimate == 300  # nothing measured yet: the configured figure
+    s.abort("first", 0.0)
+    t = 0.0
+    for i in range(12):  # twelve requests that each end by EOS (token 9) after 5 tokens
+        r = uncapped(f"r{i}", 8, 1000, estimate=None)
+        r.eos_token_ids = [9]
+        s.add_request(r, t)
+    while s.requests:
+        plan = s.schedule(t)
+        out = RunnerOutput(sampled={
+            q.request_id: [SampledToken(9 if s.requests[q.request_id].num_output_tokens >= 5 else 1)]
+            for q in plan.seqs if q.sample})
+        s.update_from_output(plan, out, t)
+        t += 0.1
+    late = uncapped("late", 8, 1000, estimate=None)
+    s.add_request(late, t)
+    assert late.output_estimate == 5

@@ -144,6 +144,7 @@ def test_prefix_cache_hit_shows_in_timeline_and_timing(model_server: RunningServ
     first, second = timings[0]["cached_prompt_tokens"], timings[1]["cached_prompt_tokens"]
     assert first % block == 0 and second % block == 0
     assert second >= first + 4 * block and second >= r.usage.prompt_tokens - block, (first, second)
+    assert r.usage.prompt_tokens_details.cached_tokens == second  # OpenAI's usage says the same
     hits = [e for e in doc["events"] if e["kind"] == "prefix_cache_hit"]
     assert [h["tokens"] for h in hits] == [timings[1]["cached_prompt_tokens"]]
     chunks = [e for e in doc["events"] if e["kind"] == "prefill_chunk"]

@@ -18,7 +18,7 @@ from openai.types.chat import completion_create_params as chat_params
 from magnitude.server.protocol import IGNORED_FIELDS
 from magnitude.server.tokenization import PromptRenderer
 
-from .conftest import RunningServer
+from .conftest import RunningServer, serve, sim_config, simulated
 
 IMPLEMENTED, IGNORED, REFUSED = "implemented", "ignored", "refused"
 
@@ -291,3 +291,19 @@ def test_message_fields_reach_a_template_that_renders_them() -> None:
 class _ContentOnly:
     def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False, add_generation_prompt: bool = True) -> str:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+
+# -- defaults as vLLM users expect ---------------------------------------------------------------------
+
+def test_max_tokens_defaults_to_the_rest_of_the_context_and_model_may_be_omitted() -> None:
+    # A context longer than the old fixed default (256) plus the prompt, so the two differ.
+    config = sim_config(admission__max_model_len=400)
+    with serve(simulated(config), config) as s:
+        r = httpx.post(s.v1 + "/completions", json={"prompt": "hello there"}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        usage = body["usage"]
+        assert body["model"] == "simulated"
+        assert body["choices"][0]["finish_reason"] == "length"  # the simulated runner never samples EOS
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 400
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -51,7 +51,10 @@ def _retry_after(excess_tokens: float, view: QueueView) -> float:
 
 
 def check_admission(request: Request, view: QueueView, policy: AdmissionPolicy, now: float) -> AdmissionDecision:
+    # The length and capacity checks take the cap (the request may use all of it); the queue
+    # bounds take the expected work, as the queue's own figures do.
     work = request.num_prompt_tokens + request.max_tokens
+    demand = request.remaining_work_tokens
     if request.priority_class not in view.known_classes:
         return AdmissionDecision(False, f"unknown_priority_class:{request.priority_class}")
     if request.priority_class in view.shedding:
@@ -73,11 +76,11 @@ def check_admission(request: Request, view: QueueView, policy: AdmissionPolicy, 
     if half_full and view.tenant_requests + 1 > policy.max_tenant_queue_share * policy.max_queued_requests:
         return AdmissionDecision(False, "tenant_queue_share", _retry_after(view.tenant_tokens, view))
     half_tokens = view.queued_tokens * 2 >= policy.max_queued_tokens
-    if half_tokens and view.tenant_tokens + work > policy.max_tenant_queue_share * policy.max_queued_tokens:
+    if half_tokens and view.tenant_tokens + demand > policy.max_tenant_queue_share * policy.max_queued_tokens:
         return AdmissionDecision(False, "tenant_queue_share", _retry_after(view.tenant_tokens, view))
-    if view.queued_tokens + work > policy.max_queued_tokens:
+    if view.queued_tokens + demand > policy.max_queued_tokens:
         return AdmissionDecision(
-            False, "queue_tokens_full", _retry_after(view.queued_tokens + work - policy.max_queued_tokens, view)
+            False, "queue_tokens_full", _retry_after(view.queued_tokens + demand - policy.max_queued_tokens, view)
         )
     if view.drain_tokens_per_s:
         wait = view.queued_tokens / view.drain_tokens_per_s

@@ -70,6 +70,9 @@ class Request:
     queue_seq: int = -1
     last_prefill_step: int = -1
     last_defer_reason: str | None = None
+    # What admission expects the output to be when max_tokens is only a cap (set by the scheduler
+    # when the request arrives: the measured mean output length, or admission.expectedOutputTokens).
+    output_estimate: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_token_ids is not None:
@@ -96,9 +99,19 @@ class Request:
         return self.num_prompt_tokens + self.sampling.max_tokens - 1
 
     @property
+    def expected_output_tokens(self) -> int:
+        """The output length admission plans for: max_tokens when it is the length (ignore_eos) or
+        no estimate is set; else the estimate, but never less than what is generated plus one."""
+        if self.sampling.ignore_eos or self.output_estimate is None:
+            return self.sampling.max_tokens
+        return min(self.sampling.max_tokens, max(self.output_estimate, self.num_output_tokens + 1))
+
+    @property
     def remaining_work_tokens(self) -> int:
-        """Tokens still to compute, counting the outputs not yet generated (admission's demand estimate)."""
-        return max(0, self.num_prompt_tokens + self.sampling.max_tokens - 1 - self.num_computed_tokens)
+        """Tokens still to compute, counting the outputs expected but not yet generated (admission's
+        demand estimate: a request without max_tokens may run to the end of the context, but
+        counting that cap would make every such request look context-long)."""
+        return max(0, self.num_prompt_tokens + self.expected_output_tokens - 1 - self.num_computed_tokens)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end); zeros stand in for a prompt the simulator never saw."""

@@ -37,6 +37,8 @@ from magnitude.engine.stats import SchedulerStats
 from magnitude.policy.schema import EngineConfig
 
 _EMA = 0.2
+# Finished requests seen before their mean output length replaces admission.expectedOutputTokens.
+MIN_OUTPUT_SAMPLES = 8
 _TERMINAL_EVENT: dict[RequestStatus, EventKind] = {
     RequestStatus.FINISHED: "finish",
     RequestStatus.CANCELLED: "cancel",
@@ -101,6 +103,8 @@ class Scheduler:
         self.step_id = 0
         self._step_seconds: float | None = None
         self._drain: float | None = None
+        self._mean_output: float | None = None  # EMA of finished requests' output lengths
+        self._outputs_seen = 0
         self._last_plan_time: float | None = None
         self._last_plan_saturated = False
         self._stats = SchedulerStats(0, 0, 0, 0, 0, blocks, 0, 0, swap, 0, False, None, None)
@@ -112,6 +116,15 @@ class Scheduler:
         request.priority = self._priority.get(request.priority_class, 0)
         if not request.tenant:
             request.tenant = "default"
+        if request.output_estimate is None:
+            request.output_estimate = self.expected_output_tokens()
+
+    def expected_output_tokens(self) -> int:
+        """What admission counts for an output whose length is unknown: the measured mean output
+        length once MIN_OUTPUT_SAMPLES requests have finished, else admission.expectedOutputTokens."""
+        if self._mean_output is None or self._outputs_seen < MIN_OUTPUT_SAMPLES:
+            return self.config.admission.expected_output_tokens
+        return max(1, round(self._mean_output))
 
     def _min_service_seconds(self, request: Request) -> float | None:
         """A lower bound on the time to finish the request once it runs (None before any step)."""
@@ -208,6 +221,10 @@ class Scheduler:
         if self.requests.pop(request.request_id, None) is not None and request.deadline is not None:
             self._forget_deadline()
         self._to_release.append(request.request_id)
+        if status is RequestStatus.FINISHED and not request.sampling.ignore_eos and request.num_output_tokens:
+            n = request.num_output_tokens
+            self._outputs_seen += 1
+            self._mean_output = n if self._mean_output is None else (1 - _EMA) * self._mean_output + _EMA * n
         if status is RequestStatus.REJECTED:
             self._count(self._stats.rejections, reason)
         self._count(self._stats.finished, status.value)

@@ -175,7 +175,15 @@ class AdmissionPolicy(PolicyModel):
     max_model_len: int | None = Field(
         default=None, ge=1, le=10_000_000, description="Longest prompt + output; null takes the model's context."
     )
-    default_max_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    default_max_tokens: int | None = Field(
+        default=None, ge=1, le=1_000_000,
+        description="max_tokens of a request that sets none; null: the rest of the context (as vLLM does).",
+    )
+    expected_output_tokens: int = Field(
+        default=256, ge=1, le=1_000_000,
+        description="Output length admission counts for a request whose max_tokens is only a cap, until "
+        "the engine has measured the mean output length of finished requests.",
+    )
 
 
 class QuantizationEvaluationPolicy(PolicyModel):

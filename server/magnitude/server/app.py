@@ -364,7 +364,11 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             )
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
-            max_tokens = min(engine.config.admission.default_max_tokens, limit - len(ids))
+            # The rest of the context (vLLM's default), or the configured default; never more than
+            # the KV pool can hold, so a request that sets nothing is never refused for its size.
+            rest = min(limit, engine.kv_capacity_tokens or limit) - len(ids)
+            default = engine.config.admission.default_max_tokens
+            max_tokens = max(1, min(rest, default) if default is not None else rest)
         elif len(ids) + max_tokens > limit:
             raise APIError(
                 400,

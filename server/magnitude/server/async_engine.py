@@ -202,6 +202,7 @@ class AsyncEngine:
         self.loop: EngineLoop | None = None
         self.model_name = ""
         self.max_model_len = 0
+        self.kv_capacity_tokens = 0  # tokens the device KV pool holds (0 while loading)
         self.quantization: dict[str, Any] | None = None  # the evaluation record's summary, for quantized weights
         self.max_prompt_chars = 0  # longer prompts cannot fit the context: refused before tokenizing
         self.max_body_bytes: int | None = None  # what a request that fits the context can need
@@ -238,6 +239,7 @@ class AsyncEngine:
             if not self._accept_quantization(runner):
                 return
             self.max_model_len = min(runner.max_model_len, self.config.admission.max_model_len or runner.max_model_len)
+            self.kv_capacity_tokens = runner.num_blocks * self.config.kv_cache.block_size
             self.renderer = PromptRenderer(runner.tokenizer)
             self.max_prompt_chars = self.renderer.max_prompt_chars(self.max_model_len)
             self.max_body_bytes = context_body_bytes(self.max_prompt_chars, self.max_model_len)

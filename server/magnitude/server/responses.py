@@ -177,9 +177,11 @@ class ResponseBuilder:
         return body
 
 
-def usage(fin: Finished) -> dict[str, int]:
+def usage(fin: Finished) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens` are the prompt tokens the prefix cache served."""
     return {
         "prompt_tokens": fin.prompt_tokens,
         "completion_tokens": fin.completion_tokens,
         "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": int(fin.timing.get("cached_prompt_tokens") or 0)},
     }
