@@ -44,8 +44,9 @@ class Clock:
         return self.t
 
 
-def chunk(rid: str, start: int, n: int, outputs: int = 0) -> ScheduledSeq:
-    return ScheduledSeq(rid, [0] * n, start, [], False, SamplingParams(max_tokens=8), outputs)
+def chunk(rid: str, start: int, n: int, outputs: int = 0, sample: bool = False) -> ScheduledSeq:
+    """`sample`: the chunk reaches the end of the request's tokens (the runner samples after it)."""
+    return ScheduledSeq(rid, [0] * n, start, [], sample, SamplingParams(max_tokens=8), outputs)
 
 
 def update(rid: str, tokens: list[int]) -> RequestUpdate:
@@ -62,11 +63,11 @@ def test_timeline_of_a_preempted_request_orders_events_and_adds_up() -> None:
     # step 1 (101 -> 101.2): admitted with 16 prefix-cached tokens, first prompt chunk
     rl.observe_step(101.0, 101.2, StepPlan(1, [chunk("cmpl-a", 16, 16)]), [ev(101.0, "admit", "scheduled", cached_tokens=16)], [])
     # step 2 (101.2 -> 101.5): last chunk, first token
-    rl.observe_step(101.2, 101.5, StepPlan(2, [chunk("cmpl-a", 32, 8)]), [], [update("cmpl-a", [7])])
+    rl.observe_step(101.2, 101.5, StepPlan(2, [chunk("cmpl-a", 32, 8, sample=True)]), [], [update("cmpl-a", [7])])
     # step 5 at 102.0: preempted (recompute); deferred; back at 104.0, recomputing 41 tokens
     rl.observe_step(102.0, 102.0, None, [ev(102.0, "preempt", "priority", mode="recompute")], [])
     rl.observe_step(103.0, 103.0, None, [ev(103.0, "defer", "kv_blocks")], [])
-    rl.observe_step(104.0, 104.3, StepPlan(9, [chunk("cmpl-a", 0, 41, outputs=1)]),
+    rl.observe_step(104.0, 104.3, StepPlan(9, [chunk("cmpl-a", 0, 41, outputs=1, sample=True)]),
                     [ev(104.0, "admit", "resumed", cached_tokens=0)], [update("cmpl-a", [8])])
     rl.observe_step(105.0, 106.0, None, [ev(106.0, "finish", "length")], [])
     timing = rl.close("cmpl-a", "finished", 106.0, [101.5, 104.3, 106.0])
@@ -102,7 +103,8 @@ def test_live_and_cancelled_while_preempted_still_add_up() -> None:
     clock = Clock()
     rl = RequestLog(clock)
     rl.open("r", arrival=100.0, enqueued=100.0, prompt_tokens=4, priority_class="c", tenant="t", loading_s=0.0)
-    rl.observe_step(100.0, 100.1, None, [SchedulerEvent(100.0, "admit", "r", "scheduled", {"cached_tokens": 0})], [update("r", [1])])
+    rl.observe_step(100.0, 100.1, StepPlan(1, [chunk("r", 0, 4, sample=True)]),
+                    [SchedulerEvent(100.0, "admit", "r", "scheduled", {"cached_tokens": 0})], [update("r", [1])])
     rl.observe_step(101.0, 101.0, None, [SchedulerEvent(101.0, "preempt", "r", "kv_blocks", {"mode": "swap"}),
                                          SchedulerEvent(101.0, "swap_out", "r", "kv_blocks", {"blocks": 2})], [])
     clock.t = 103.0

@@ -89,9 +89,9 @@ def stats_of(scheduler: Any, t: float, duration_s: float, plan: StepPlan | None)
     )
     if plan is not None:
         stats.num_seqs = len(plan.seqs)
-        stats.num_tokens = plan.num_tokens
+        stats.num_tokens = plan.num_tokens  # one pass over the plan; the prefill count reuses it
         stats.num_decode = plan.num_decode
-        stats.num_prefill_tokens = plan.num_tokens - plan.num_decode
+        stats.num_prefill_tokens = stats.num_tokens - stats.num_decode
         stats.preempted = list(plan.preempted)
     return stats
 

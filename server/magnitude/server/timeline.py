@@ -15,7 +15,8 @@ nothing, streams nothing, exports nothing to Prometheus by itself):
 It is not a second event system: every entry except arrival, loading, preparation, queued,
 prefill_chunk, prefix_cache_hit and first_token is a `SchedulerEvent` the scheduler already
 emitted, filed under its request. The engine feeds it under the engine loop's lock —
-`observe_step` once per step, costing O(events + sequences in the step), never O(all requests) —
+`observe_step` once per step, costing O(events) plus O(sequences in the step) only while some
+request is prefilling (a step of plain decodes walks no sequence), never O(all requests) —
 and the HTTP layer and the metrics adapter read it; its own lock makes those reads safe.
 
 Timing adds up by construction: arrival -> enqueued is loading + preparation, enqueued -> first
@@ -162,6 +163,9 @@ class RequestLog:
         self._decisions: deque[tuple[int, SchedulerEvent]] = deque(maxlen=max_decisions)
         self._next_seq = 0
         self._counts: dict[tuple[str, str], int] = {}
+        # Live requests admitted and still prefilling (prompt or recompute): only these have chunks
+        # and first tokens to file, so a step of plain decodes touches no sequence (see observe_step).
+        self._prefilling: set[str] = set()
 
     # -- writing (engine) ---------------------------------------------------------------------------
     def open(
@@ -207,13 +211,9 @@ class RequestLog:
                     later.append(ev)
                 else:
                     self._decision(ev)
-            if plan is not None:
-                self._chunks(plan, start)
-            for upd in updates:
-                rec = self._live.get(upd.request_id)
-                if rec is not None and rec.first_token is None and upd.new_token_ids:
-                    rec.first_token = end
-                    self._add(rec, TimelineEvent(end, "first_token", "sampled"))
+            sampling = self._chunks(plan, start) if plan is not None and self._prefilling else set()
+            if sampling:
+                self._first_tokens(sampling, updates, end)
             for ev in later:
                 self._decision(ev)
 
@@ -226,6 +226,7 @@ class RequestLog:
         """The request ended: freeze its timing and move it to the ring of recent requests."""
         with self._lock:
             rec = self._live.pop(request_id, None)
+            self._prefilling.discard(request_id)
             if rec is None:
                 rec = self._recent.get(request_id)
                 return rec.timing(end) if rec is not None else {}
@@ -319,6 +320,10 @@ class RequestLog:
             rec.preempted_since = None
         if ev.kind in ("admit", "swap_in"):
             rec.status = "running"
+        if ev.kind == "admit" and ev.request_id in self._live:
+            self._prefilling.add(ev.request_id)  # a fresh prefill, or a recompute after a preemption
+        elif ev.kind == "preempt":
+            self._prefilling.discard(ev.request_id)
         self._add(rec, TimelineEvent(ev.t, ev.kind, ev.reason, detail))
         if ev.kind == "admit":
             cached = int(detail.get("cached_tokens", 0) or 0)
@@ -327,14 +332,17 @@ class RequestLog:
             if cached:
                 self._add(rec, TimelineEvent(ev.t, "prefix_cache_hit", ev.reason, {"tokens": cached}))
 
-    def _chunks(self, plan: StepPlan, start: float) -> None:
+    def _chunks(self, plan: StepPlan, start: float) -> set[str]:
+        """File the step's prefill chunks; return the requests whose chunk reached the end of their
+        tokens without a first token yet (the runner sampled their first one in this step)."""
+        prefilling = self._prefilling
+        sampling: set[str] = set()
         for seq in plan.seqs:
-            # Plain decodes (one token, output already started) are most of a step and never a chunk:
-            # skip them without a lookup. A one-token recompute chunk looks the same and is not filed.
-            if seq.num_tokens == 1 and seq.num_output_tokens > 0:
+            if seq.request_id not in prefilling:  # a plain decode: most of a step, never a chunk
                 continue
             rec = self._live.get(seq.request_id)
             if rec is None:
+                prefilling.discard(seq.request_id)
                 continue
             # Work done before (outputs exist, or positions below what was already prefilled) is a
             # recompute after a preemption; the rest is prompt.
@@ -343,6 +351,26 @@ class RequestLog:
             rec.prefilled = max(rec.prefilled, end)
             self._add(rec, TimelineEvent(start, "prefill_chunk", reason,
                                          {"tokens": seq.num_tokens, "start": seq.start_position, "step": plan.step_id}))
+            if seq.sample:  # the last chunk: from the next step on it decodes
+                prefilling.discard(seq.request_id)
+                if rec.first_token is None:
+                    sampling.add(seq.request_id)
+        return sampling
+
+    def _first_tokens(self, sampling: set[str], updates: Iterable[RequestUpdate], end: float) -> None:
+        # Updates follow the plan's order (decodes first, chunks last): from the end, the few
+        # requests that sampled their first token are found without walking the decodes.
+        left = set(sampling)
+        for upd in reversed(updates) if isinstance(updates, list) else updates:
+            if upd.request_id not in left:
+                continue
+            left.discard(upd.request_id)
+            rec = self._live.get(upd.request_id)
+            if rec is not None and rec.first_token is None and upd.new_token_ids:
+                rec.first_token = end
+                self._add(rec, TimelineEvent(end, "first_token", "sampled"))
+            if not left:
+                return
 
 
 # -- the HTTP edge of the record -------------------------------------------------------------------
