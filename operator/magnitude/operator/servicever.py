@@ -27,7 +27,9 @@ def service_version(spec: ModelServiceSpec) -> str:
     """A short stable hash of what defines the service's behaviour."""
     return _digest(
         {
-            "model": spec.model.to_document(),
+            # Fields added later count only when set, so an upgrade of the operator rolls nothing.
+            "model": {k: v for k, v in spec.model.to_document().items()
+                      if k in ("source", "revision") or v is not None},
             "quantization": spec.quantization,
             "draftModel": spec.draft_model.to_document() if spec.draft_model else None,
             "scheduler": spec.scheduler.to_document(),

