@@ -192,10 +192,10 @@ def load_model(
     dt = pick_dtype(dtype, dev)
     cache_hit = True
     if source.startswith(model_source.HF_PREFIX):
-        src, cache_hit = resolve_hub(source, report)
+        src, cache_hit = resolve_hub(source, report)  # resolving, then downloading on a miss
     else:
         src = resolve_source(source)
-    report("resolving", 1.0)
+        report("resolving", 1.0)
 
     if src.kind == "gguf":
         model_dir = cache_dir_for(src, dt)
