@@ -128,7 +128,7 @@ def test_progress_chunks_in_order_for_a_long_prompt() -> None:
         ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature"),
         ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
         ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "top_k": -1}, 400, "top_k"),
-        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+        ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "n": 9}, 400, "n"),
         ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, 400, "max_tokens"),
         ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "priority_class": "vip"}, 400, "priority_class"),
         ("/chat/completions", {"model": "simulated", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, 400, None),

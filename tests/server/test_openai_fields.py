@@ -89,8 +89,8 @@ TEXT_FIELDS: dict[str, tuple[str, Any]] = {
 
 # Accepted values that are not what the feature asks for: 400 naming the field, too.
 UNSUPPORTED_VALUES: list[tuple[str, str, Any]] = [
-    ("chat", "n", 2),
-    ("text", "n", 2),
+    ("chat", "n", 9),  # above admission.maxChoices (8)
+    ("text", "n", 9),
     ("text", "best_of", 2),
     ("text", "echo", True),
     ("text", "suffix", "after"),

@@ -179,6 +179,10 @@ class AdmissionPolicy(PolicyModel):
         default=None, ge=1, le=1_000_000,
         description="max_tokens of a request that sets none; null: the rest of the context (as vLLM does).",
     )
+    max_choices: int = Field(
+        default=8, ge=1, le=128,
+        description="Largest n (choices per request) a request may ask for; the choices share the prompt's KV blocks.",
+    )
     expected_output_tokens: int = Field(
         default=256, ge=1, le=1_000_000,
         description="Output length admission counts for a request whose max_tokens is only a cap, until "

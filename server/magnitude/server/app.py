@@ -9,6 +9,7 @@ Retry-After; a client disconnect (streaming or not) aborts the request in the en
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -45,6 +46,7 @@ from magnitude.server.async_engine import (
 )
 from magnitude.server.answer import AnswerPlan, PlanError, plan_answer
 from magnitude.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from magnitude.server.choices import ChoiceStreams
 from magnitude.server.errors import APIError, install_error_handlers
 from magnitude.server.protocol import (
     ChatCompletionRequest,
@@ -54,10 +56,10 @@ from magnitude.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from magnitude.server.responses import SSE_DONE, ResponseBuilder, sse
+from magnitude.server.responses import SSE_DONE, ResponseBuilder, merge_choices, sse
 from magnitude.server.structured import Grammars, SchemaError
-from magnitude.server.tools import messages_for_template
 from magnitude.server.timeline import ArrivalStamp, arrival_of, client_request_id
+from magnitude.server.tools import messages_for_template
 
 log = logging.getLogger("magnitude.server")
 
@@ -304,6 +306,9 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
     async def prepare(body: ChatCompletionRequest | CompletionRequest, who: Decision, chat: bool) -> tuple[AnswerPlan, RequestSpec]:
         """Checks that need the loaded model, then tokenization and sampling parameters."""
         check_model(body.model)
+        max_choices = engine.config.admission.max_choices
+        if body.n > max_choices:
+            raise APIError(400, f"n={body.n}: at most {max_choices} choices per request (admission.maxChoices)", param="n")
         classes = [c.name for c in engine.config.scheduler.priority_classes]
         priority_class = who.priority_class
         if priority_class not in classes:
@@ -446,25 +451,48 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         check_not_ready()
         plan, spec = await prepare(body, who, chat)
         spec.arrival, spec.client_request_id = arrival, client_id
-        stream = submit(spec)
-        builder = ResponseBuilder(stream.request_id, chat, model_id(body), want_logprobs=spec.sampling.logprobs is not None,
-                                  plan=plan, on_contract=engine.metrics.on_output_contract)
-        headers = {"X-Request-Id": stream.request_id}
+        specs = await choice_specs(body, plan, spec)
+        choices = start_choices(specs)
+        builders = choice_builders(choices.streams[0].request_id, body, chat, plan, specs[0])
+        headers = {"X-Request-Id": choices.streams[0].request_id}
         if body.stream:
-            return StreamingResponse(
-                _sse(stream, builder, body.include_usage, pre=[]), media_type="text/event-stream", headers=headers
-            )
-        return await _collect(stream, builder, request, headers)
+            return StreamingResponse(_sse(choices, builders, body.include_usage), media_type="text/event-stream",
+                                     headers=headers)
+        return await _collect(choices, builders, request, headers)
+
+    async def choice_specs(body: ChatCompletionRequest | CompletionRequest, plan: AnswerPlan, spec: RequestSpec) -> list[RequestSpec]:
+        """One spec per choice: its own seed (seed + index) and its own grammar matcher."""
+        specs = [spec]
+        for i in range(1, body.n):
+            seed = spec.sampling.seed
+            sampling = dataclasses.replace(spec.sampling, seed=None if seed is None else (seed + i) % 2**63,
+                                           constraint=await constraint_for(plan, body))
+            specs.append(dataclasses.replace(spec, sampling=sampling))
+        return specs
+
+    def start_choices(specs: list[RequestSpec], request_id: str | None = None) -> ChoiceStreams:
+        first = submit(specs[0], request_id)
+        return ChoiceStreams(first, len(specs), lambda i: submit(specs[i], f"{first.request_id}-{i}"))
+
+    def choice_builders(request_id: str, body: ChatCompletionRequest | CompletionRequest, chat: bool, plan: AnswerPlan,
+                        spec: RequestSpec) -> list[ResponseBuilder]:
+        builders = [ResponseBuilder(request_id, chat, model_id(body), want_logprobs=spec.sampling.logprobs is not None,
+                                    index=i, plan=plan, on_contract=engine.metrics.on_output_contract)
+                    for i in range(body.n)]
+        for b in builders[1:]:
+            b.created = builders[0].created
+        return builders
 
     async def _stream_after_loading(
         body: ChatCompletionRequest | CompletionRequest, who: Decision, chat: bool, arrival: float | None, client_id: str | None
     ) -> AsyncIterator[str]:
         """Streaming request that arrived while loading: report loading progress, then serve it."""
-        builder = ResponseBuilder(new_request_id(), chat, model_id(body), on_contract=engine.metrics.on_output_contract)
+        request_id = new_request_id()
+        progress = ResponseBuilder(request_id, chat, model_id(body))
         queue: list[str] = []
 
         async def report(ev: Progress) -> None:
-            queue.append(sse(builder.progress_chunk(ev)))
+            queue.append(sse(progress.progress_chunk(ev)))
 
         waiter = asyncio.create_task(engine.wait_ready(report, settings.loading_wait_s))
         try:
@@ -476,9 +504,10 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
                 yield queue.pop(0)
             waiter.result()
             loading_s = 0.0 if arrival is None else max(0.0, engine.clock() - arrival)
-            builder.plan, spec = await prepare(body, who, chat)
+            plan, spec = await prepare(body, who, chat)
             spec.arrival, spec.loading_s, spec.client_request_id = arrival, loading_s, client_id
-            stream = submit(spec, builder.request_id)
+            specs = await choice_specs(body, plan, spec)
+            choices = start_choices(specs, request_id)
         except (APIError, NotReady) as exc:
             err = exc if isinstance(exc, APIError) else APIError(503, str(exc), code=f"not_ready:{exc.phase}")
             yield sse(err.body())
@@ -486,17 +515,20 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             return
         finally:
             waiter.cancel()
-        builder.want_logprobs = spec.sampling.logprobs is not None
-        async for chunk in _sse(stream, builder, body.include_usage, pre=[]):
+        builders = choice_builders(request_id, body, chat, plan, specs[0])
+        for b in builders:
+            b.created = progress.created
+        async for chunk in _sse(choices, builders, body.include_usage):
             yield chunk
 
-    async def _sse(stream: RequestStream, builder: ResponseBuilder, include_usage: bool, pre: list[str]) -> AsyncIterator[str]:
+    async def _sse(choices: ChoiceStreams, builders: list[ResponseBuilder], include_usage: bool) -> AsyncIterator[str]:
+        finished: dict[int, Finished] = {}
         try:
-            for chunk in pre:
-                yield chunk
-            if builder.chat:
-                yield sse(builder.role_chunk())
-            async for ev in stream:
+            if builders[0].chat:
+                for b in builders:
+                    yield sse(b.role_chunk())
+            async for i, ev in choices.events():
+                builder = builders[i]
                 if isinstance(ev, Progress):
                     yield sse(builder.progress_chunk(ev))
                 elif isinstance(ev, Delta):
@@ -504,26 +536,36 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
                     if chunk is not None:
                         yield sse(chunk)
                 elif isinstance(ev, Finished):
+                    finished[i] = ev
                     for chunk in builder.finish_chunks(ev):
                         yield sse(chunk)
-                    if include_usage:
-                        yield sse(builder.usage_chunk(ev))
                 elif isinstance(ev, Failed):
                     yield sse(APIError(ev.status, ev.message, code=ev.code).body())
+            if include_usage and len(finished) == len(builders):
+                yield sse(builders[0].usage_chunk([finished[i] for i in range(len(builders))]))
+            yield SSE_DONE
+        except APIError as exc:  # a later choice refused by admission: the stream has started
+            yield sse(exc.body())
             yield SSE_DONE
         finally:
             # Client gone (the response task was cancelled) or stream ended: abort is a no-op if finished.
-            stream.abort()
+            choices.abort()
 
-    async def _collect(stream: RequestStream, builder: ResponseBuilder, request: Request, headers: dict[str, str]) -> Response:
-        async def consume() -> tuple[list[Delta], Finished | Failed | None]:
-            deltas: list[Delta] = []
-            async for ev in stream:
+    async def _collect(choices: ChoiceStreams, builders: list[ResponseBuilder], request: Request,
+                       headers: dict[str, str]) -> Response:
+        async def consume() -> tuple[list[list[Delta]], list[Finished]]:
+            deltas: list[list[Delta]] = [[] for _ in builders]
+            ends: dict[int, Finished] = {}
+            async for i, ev in choices.events():
                 if isinstance(ev, Delta):
-                    deltas.append(ev)
-                elif isinstance(ev, (Finished, Failed)):
-                    return deltas, ev
-            return deltas, None
+                    deltas[i].append(ev)
+                elif isinstance(ev, Failed):
+                    raise APIError(ev.status, ev.message, code=ev.code)
+                elif isinstance(ev, Finished):
+                    ends[i] = ev
+            if len(ends) != len(builders):
+                raise APIError(500, "stream ended without a result")
+            return deltas, [ends[i] for i in range(len(builders))]
 
         async def disconnected() -> None:
             while True:
@@ -539,14 +581,11 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             watch.cancel()
             if not work.done():
                 work.cancel()
-                stream.abort()
+                choices.abort()
         if work not in done:
             return Response(status_code=499)  # nobody is listening; the request was aborted
-        deltas, end = work.result()
-        if isinstance(end, Failed):
-            raise APIError(end.status, end.message, code=end.code)
-        if end is None:
-            raise APIError(500, "stream ended without a result")
-        return JSONResponse(builder.full(deltas, end), headers=headers)
+        deltas, ends = work.result()  # raises the APIError of a failed or refused choice
+        return JSONResponse(merge_choices([b.full(d, f) for b, d, f in zip(builders, deltas, ends)], ends),
+                            headers=headers)
 
     return app

@@ -82,7 +82,7 @@ class _SamplingRequest(_Strict):
     top_k: int = Field(default=0, ge=0, le=1_000_000, description="Extension: 0 disables top-k.")
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=128, description="Choices; at most admission.maxChoices (default 8).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=253)

@@ -38,6 +38,7 @@ class ResponseBuilder:
     chat: bool
     model: str
     want_logprobs: bool = False
+    index: int = 0  # the choice this builder speaks for (n > 1: one builder per choice)
     plan: AnswerPlan = field(default_factory=AnswerPlan)
     on_contract: Callable[[str], None] | None = None  # counts each contract verdict once
     created: int = field(default_factory=lambda: int(time.time()))
@@ -91,7 +92,7 @@ class ResponseBuilder:
     # -- stream chunks -----------------------------------------------------------------------------
     def role_chunk(self) -> dict[str, Any]:
         return self._envelope(
-            self._chunk_object, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            self._chunk_object, [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
         )
 
     def progress_chunk(self, ev: Progress) -> dict[str, Any]:
@@ -108,7 +109,7 @@ class ResponseBuilder:
             text = self._auto_filter.feed(ev.text) if self.plan.tools.mode == "auto" else ""
             if not text and not self.want_logprobs:
                 return None
-        choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(ev.logprobs), "finish_reason": None}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": self.logprobs(ev.logprobs), "finish_reason": None}
         if self.chat:
             choice["delta"] = {"content": text}
         else:
@@ -123,12 +124,12 @@ class ResponseBuilder:
             rest = answer.content if self.plan.tools and self.plan.tools.mode != "auto" else self._auto_filter.rest()
             if rest:
                 chunks.append(self._envelope(self._chunk_object, [
-                    {"index": 0, "delta": {"content": rest}, "logprobs": None, "finish_reason": None}]))
+                    {"index": self.index, "delta": {"content": rest}, "logprobs": None, "finish_reason": None}]))
         if answer.tool_calls:
             calls = [{"index": i, **c} for i, c in enumerate(answer.tool_calls)]
             chunks.append(self._envelope(self._chunk_object, [
-                {"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]))
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": answer.finish_reason}
+                {"index": self.index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]))
+        choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": answer.finish_reason}
         if self.chat:
             choice["delta"] = {}
         else:
@@ -147,10 +148,11 @@ class ResponseBuilder:
                 self.on_contract(answer.contract)
         return answer
 
-    def usage_chunk(self, ev: Finished) -> dict[str, Any]:
+    def usage_chunk(self, ends: list[Finished]) -> dict[str, Any]:
+        """The last chunk with usage: over all choices (the prompt counted once); timing: choice 0's."""
         chunk = self._envelope(self._chunk_object, [])
-        chunk["usage"] = usage(ev)
-        chunk["timing"] = ev.timing
+        chunk["usage"] = usage(ends)
+        chunk["timing"] = ends[0].timing
         return chunk
 
     # -- full response -----------------------------------------------------------------------------
@@ -163,25 +165,38 @@ class ResponseBuilder:
             if answer.tool_calls:
                 message["tool_calls"] = answer.tool_calls
             choice = {
-                "index": 0,
+                "index": self.index,
                 "message": message,
                 "logprobs": self.logprobs(lps),
                 "finish_reason": answer.finish_reason,
             }
             body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(lps), "finish_reason": fin.finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": self.logprobs(lps), "finish_reason": fin.finish_reason}
             body = self._envelope("text_completion", [choice])
-        body["usage"] = usage(fin)
+        body["usage"] = usage([fin])
         body["timing"] = fin.timing
         return body
 
 
-def usage(fin: Finished) -> dict[str, Any]:
-    """OpenAI's usage; `cached_tokens` are the prompt tokens the prefix cache served."""
+def usage(ends: list[Finished]) -> dict[str, Any]:
+    """OpenAI's usage over a request's choices: the prompt once, every choice's completion;
+    `cached_tokens` are the prompt tokens the prefix cache served choice 0."""
+    first = ends[0]
+    completion = sum(f.completion_tokens for f in ends)
     return {
-        "prompt_tokens": fin.prompt_tokens,
-        "completion_tokens": fin.completion_tokens,
-        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": int(fin.timing.get("cached_prompt_tokens") or 0)},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": int(first.timing.get("cached_prompt_tokens") or 0)},
     }
+
+
+def merge_choices(bodies: list[dict[str, Any]], ends: list[Finished]) -> dict[str, Any]:
+    """One response from each choice's full body: all choices, usage over all, choice 0's timing
+    (each choice's own timing is in its request timeline)."""
+    body = bodies[0]
+    if len(bodies) > 1:
+        body["choices"] = [b["choices"][0] for b in bodies]
+        body["usage"] = usage(ends)
+    return body
