@@ -71,8 +71,9 @@ def serve(
     settings: ServerSettings | None = None,
     ready_timeout: float = 900.0,
     wait_ready: bool = True,
+    metrics: EngineMetrics | None = None,
 ) -> Iterator[RunningServer]:
-    metrics = EngineMetrics(tenant_labels=config.tenant_labels)
+    metrics = metrics if metrics is not None else EngineMetrics(tenant_labels=config.tenant_labels)
     engine = AsyncEngine(config, load_runner, metrics)
     app = create_app(engine, metrics.registry, settings or ServerSettings())
     port = free_port()

@@ -2,8 +2,8 @@
 `--metrics-compat` flags through the real CLI process, and the per-step series (batch occupancy,
 prefix cache, KV blocks) over real uvicorn with the simulated runner and the real scheduler.
 
-The real-model side (every series after a mixed trace, scraped by a real Prometheus) is
-e2e-free but slow: tests/server/test_observability_model.py.
+The real-model side (every series after a mixed trace, scraped by a real Prometheus, and every
+dashboard query) is tests/server/test_observability_model.py.
 """
 
 from __future__ import annotations
