@@ -82,6 +82,18 @@ def test_tiny_architecture_matches_generate_under_chunking_and_preemption(tiny, 
 
 
 @pytest.mark.model
+def test_generate_on_the_runners_own_model_object(tiny):
+    """Without the paged batch the attention function falls back to plain attention, and still
+    honours the window and soft-capping (transformers builds no mask for a custom function)."""
+    _arch, _path, runner, prompts, refs = tiny
+    ids = prompts[3]  # 37 tokens: past the 8-token window
+    with torch.inference_mode():
+        out = runner.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=2,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+    assert (out[: out.index(2) + 1] if 2 in out else out) == refs[3]
+
+
+@pytest.mark.model
 def test_the_window_and_soft_caps_change_the_output(tmp_path):
     """Without this the equality above could hold with a window or cap silently ignored."""
     prompts = _prompts()

@@ -7,8 +7,9 @@ copy of block_size rows at a time, vectorised, no per-token Python), and runs to
 per-sequence causal mask. Sequences are grouped by shape (decodes apart from prefill chunks) and by
 context length (a bucket never pads to more than twice its shortest context), so a 1-token decode
 is never padded to a long chunk and 12 short chats are not padded to one 1,500-token context.
-Without a `magnitude_batch` kwarg the function falls back to stock SDPA, so the same model object
-still works with `model.generate`.
+Without a `magnitude_batch` kwarg the function falls back to plain causal attention (with the
+layer's window and soft-capping), so the same model object still works with `model.generate` for
+one unpadded sequence (transformers builds no padding mask for a custom attention function).
 
 Two per-layer options transformers passes with the call are honoured, not ignored: `sliding_window`
 (Mistral, Qwen2/3, Gemma 2/3, Phi-3: a key is seen only if `query position - key position <
@@ -226,12 +227,20 @@ def paged_attention_forward(
     window: int | None = kwargs.pop("sliding_window", None)
     softcap: float | None = kwargs.pop("softcap", None)
     if batch is None:
-        if softcap:
-            # transformers' SDPA would drop the soft-capping; the mask it built already holds any window.
-            mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask > -1e30
-            if mask is not None:
-                mask = mask[:, :, :, : key.shape[-2]]
-            out = softcapped_attention(query, key, value, mask, mask is None and query.shape[2] > 1, scaling, softcap)
+        # transformers builds no mask for an attention function it has no mask function for (its
+        # custom-backend rule), so this fallback (`model.generate` on the runner's model: one
+        # unpadded sequence whose queries are the last of its keys) applies the window and the
+        # soft-capping itself; plain causal attention otherwise.
+        ql, kl = query.shape[2], key.shape[2]
+        if attention_mask is None and (softcap or (window and kl > window)):
+            q_pos = torch.arange(kl - ql, kl, device=query.device)[:, None]
+            k_pos = torch.arange(kl, device=query.device)[None, :]
+            mask = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+            if softcap:
+                out = softcapped_attention(query, key, value, mask, False, scaling, softcap)
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                                       enable_gqa=True)
             return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=window, **kwargs)
