@@ -134,8 +134,13 @@ OPERATOR_ENV = {"MAGNITUDE_OPERATOR_SYNC_SECONDS": "2", "MAGNITUDE_OPERATOR_TOKE
 @pytest.fixture(scope="session")
 def crd(kube: Kube) -> dict:
     kube.apply(CRD_FILE)
-    kube.run("wait", "--for=condition=Established", "crd/modelservices.serving.magnitude.dev", "--timeout=60s")
-    return kube.get("crd", "modelservices.serving.magnitude.dev", namespace=None)
+    # Polled, not `kubectl wait`: that errors out ("accessor error") when it reads the CRD before
+    # the API server has written any condition, which happens on a loaded machine.
+    def established() -> dict | None:
+        crd = kube.get("crd", "modelservices.serving.magnitude.dev", namespace=None)
+        return crd if (condition(crd, "Established") or {}).get("status") == "True" else None
+
+    return wait_for("the CRD Established", established, 60)
 
 
 def _helm() -> str | None:

@@ -357,7 +357,13 @@ def test_7_kubectl_scale_and_hpa_use_the_scale_subresource(kube, operator, kubel
                                 f"/apis/{API}/namespaces/{NS}/modelservices/{name}/scale").stdout)
     assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
     assert "serving.magnitude.dev/modelservice=" + name in scale["status"]["selector"]
-    # An HPA clamps replicas into [min, max] through the same subresource (no metrics needed).
+    hpa_clamps_to_two(kube, name, dump)
+    delete_and_wait(kube, name)
+
+
+def hpa_clamps_to_two(kube, name: str, dump) -> None:
+    """An HPA (min = max = 2) clamps the ModelService into its range through the scale
+    subresource (no metrics needed), and is removed again."""
     kube.apply({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
                 "metadata": {"name": name, "namespace": NS},
                 "spec": {"scaleTargetRef": {"apiVersion": API, "kind": "ModelService", "name": name},
@@ -365,14 +371,13 @@ def test_7_kubectl_scale_and_hpa_use_the_scale_subresource(kube, operator, kubel
                          "metrics": [{"type": "Resource", "resource": {
                              "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}]}})
     try:
-        wait_for("HPA scales the ModelService to 2",
+        wait_for(f"HPA scales {name} to 2",
                  lambda: msvc(kube, name)["spec"].get("replicas") == 2
                  and msvc(kube, name)["status"].get("readyReplicas") == 2, 90, on_timeout=dump)
         hpa = kube.get("hpa", name)
         assert hpa["status"].get("currentReplicas") in (2, 3), hpa["status"]
     finally:
         kube.delete("hpa", name)
-    delete_and_wait(kube, name)
 
 
 # -- 7b. scale subresource with spec.replicas left unset (an external HPA/KEDA's manifest) --
@@ -388,24 +393,13 @@ def test_7b_replicas_unset_scales_through_the_scale_subresource(kube, operator, 
     dump = debug(kube, operator, kubelet, name)
     path = f"/apis/{API}/namespaces/{NS}/modelservices/{name}/scale"
     scale = json.loads(kube.run("get", "--raw", path).stdout)
-    assert scale["spec"].get("replicas") == 1, scale  # absent here, an HPA would read 0 and stop scaling
+    assert scale["spec"].get("replicas") == 1, scale  # with no value there, this GET would fail
     scale["spec"]["replicas"] = 3
     kube.run("replace", "--raw", path, "-f", "-", input=json.dumps(scale))
     wait_for("3 ready replicas after PUT /scale",
              lambda: msvc(kube, name)["status"].get("readyReplicas") == 3, 90, on_timeout=dump)
     assert msvc(kube, name)["spec"]["replicas"] == 3
-    kube.apply({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-                "metadata": {"name": name, "namespace": NS},
-                "spec": {"scaleTargetRef": {"apiVersion": API, "kind": "ModelService", "name": name},
-                         "minReplicas": 2, "maxReplicas": 2,
-                         "metrics": [{"type": "Resource", "resource": {
-                             "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}]}})
-    try:
-        wait_for("HPA scales the replicas-unset ModelService to 2",
-                 lambda: msvc(kube, name)["spec"].get("replicas") == 2
-                 and msvc(kube, name)["status"].get("readyReplicas") == 2, 90, on_timeout=dump)
-    finally:
-        kube.delete("hpa", name)
+    hpa_clamps_to_two(kube, name, dump)
     delete_and_wait(kube, name)
 
 
