@@ -304,3 +304,16 @@ def test_hub_only_fields_and_bad_claims_are_refused(model: dict[str, Any]) -> No
     from pydantic import ValidationError
     with pytest.raises(ValidationError, match="model"):
         spec(model=model)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--model", "hf://other/model"], "--model"), (["--revision=v2"], "--revision"),
+    (["--served-model-name", "x"], "--served-model-name"), (["--served", "x"], "--served-model-name"),
+    (["--set", "kvCache.memoryFraction=0.5"], "--set"), (["--config", "/x.yaml"], "--config"),
+])
+def test_extra_args_that_would_override_the_spec_are_refused_by_name(args: list[str], flag: str) -> None:
+    from magnitude.operator.validation import unsupported
+
+    problems = unsupported(spec(model={"source": "hf://org/name"}, extraArgs=args))
+    assert [p.field for p in problems] == ["spec.extraArgs"] and flag in problems[0].message, problems
+    assert unsupported(spec(extraArgs=["--time-scale", "2"])) == []

@@ -25,6 +25,16 @@ AUTH_FLAGS = ("--auth-mode", "--api-keys-file")
 API_KEY_FLAG = "--api-key"
 # Set from spec.metrics.compat: in extraArgs it would silently win over the spec.
 METRICS_COMPAT_FLAG = "--metrics-compat"
+# `magnitude serve` flags the operator sets from the spec's model fields and engine config: given
+# again in extraArgs, argparse's last value (or the flag over its environment variable) would win
+# over the spec without a word.
+SPEC_FLAGS = {
+    "--model": "spec.model.source",
+    "--revision": "spec.model.revision",
+    "--served-model-name": "spec.model.servedModelName",
+    "--config": "the spec's engine policy (scheduler, kvCache, admission)",
+    "--set": "the spec's engine policy (scheduler, kvCache, admission)",
+}
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,9 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
                                     f"{spec.draft_model.num_speculative_tokens} exceeds "
                                     f"spec.scheduler.maxLookaheadTokens {spec.scheduler.max_lookahead_tokens}"))
     problems += _auth_problems(spec)
+    for flag, field in SPEC_FLAGS.items():
+        if any(_names_flag(a, flag) for a in spec.extra_args):
+            problems.append(Problem("spec.extraArgs", f"{flag} would override {field} without a word; set it there"))
     if any(_names_flag(a, METRICS_COMPAT_FLAG) for a in spec.extra_args):
         problems.append(Problem("spec.extraArgs",
                                 f"{METRICS_COMPAT_FLAG} would override spec.metrics.compat without a word; "
@@ -76,7 +89,7 @@ def _names_flag(arg: str, flag: str) -> bool:
     given = arg.split("=", 1)[0]
     if given == flag:
         return True
-    exact = (*AUTH_FLAGS, API_KEY_FLAG, METRICS_COMPAT_FLAG)
+    exact = (*AUTH_FLAGS, API_KEY_FLAG, METRICS_COMPAT_FLAG, *SPEC_FLAGS)
     return len(given) > 2 and given.startswith("--") and flag.startswith(given) and given not in exact
 
 
