@@ -276,3 +276,21 @@ def test_revision_for_a_source_without_revisions_is_refused():
     r = subprocess.run([sys.executable, "-m", "magnitude.cli.main", "serve", "--model", "hf://a/b@x", "--revision", "y"],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "names revision 'x'" in r.stderr, r.stderr
+
+
+def test_custom_code_repo_refused_from_its_config_before_the_weights(hub, models, tmp_path):
+    from magnitude.runner.loading import ModelSourceError, load_model
+
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    for f in models["v1"].iterdir():
+        (custom / f.name).write_bytes(f.read_bytes())
+    config = json.loads((custom / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"}
+    (custom / "config.json").write_text(json.dumps(config))
+    hub.repo("tiny-org/custom").add_commit(custom, extra={"modeling_tiny.py": b"import os\n"})
+    with pytest.raises(ModelSourceError, match="trust_remote_code") as e:
+        load_model("hf://tiny-org/custom", device="cpu")
+    assert "hf://tiny-org/custom@main" in str(e.value)
+    assert hub.downloads("config.json") == 1 and hub.downloads("model.safetensors") == 0
+    assert not [p for p in model_cache.models_dir().iterdir() if p.is_dir() and p.name.startswith("hf-")]

@@ -102,7 +102,7 @@ def resolve_hub(source: str, progress: ProgressFn) -> tuple[ResolvedSource, bool
     """Download (or find in the cache) an hf:// source; (where it is, whether it was cached)."""
     try:
         spec = model_source.parse(source)
-        got = model_source.fetch(spec, progress)
+        got = model_source.fetch(spec, progress, check_config=lambda d: check_config(d, name=spec.source))
     except model_source.HubSourceError as e:
         raise ModelSourceError(str(e)) from e
     if spec.gguf is not None:
@@ -162,15 +162,24 @@ def _convert_gguf(src: ResolvedSource, dtype: torch.dtype, out: Path, progress: 
     progress("converting", 1.0)
 
 
-def check_servable(model_dir: Path) -> None:
-    """Refuse, before reading any weight, a checkpoint the paged runner would serve wrongly."""
+def check_config(model_dir: Path, name: str | None = None) -> None:
+    """Refuse, from config.json alone, an architecture the paged runner would serve wrongly."""
     from transformers import AutoConfig
 
+    what = name or str(model_dir)
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except ValueError as e:  # unknown model_type, or custom code that would need trust_remote_code
-        raise ModelSourceError(f"model at {model_dir} cannot be served: {e}") from e
-    reason = architecture.unsupported_reason(config) or architecture.weights_reason(model_dir)
+        raise ModelSourceError(f"model at {what} cannot be served: {e}") from e
+    reason = architecture.unsupported_reason(config)
+    if reason:
+        raise ModelSourceError(f"model at {what} cannot be served: {reason}")
+
+
+def check_servable(model_dir: Path) -> None:
+    """Refuse, before reading any weight, a checkpoint the paged runner would serve wrongly."""
+    check_config(model_dir)
+    reason = architecture.weights_reason(model_dir)
     if reason:
         raise ModelSourceError(f"model at {model_dir} cannot be served: {reason}")
 

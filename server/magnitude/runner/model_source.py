@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,9 +142,11 @@ def _watch(folder: Path, total: int, progress: Callable[..., None], stop: thread
                  {"bytes_done": min(done, total), "bytes_total": total})
 
 
-def fetch(spec: HubSpec, progress: Callable[..., None]) -> Downloaded:
-    """The cache entry holding `spec`'s files, downloading them at the resolved SHA on a miss."""
-    from huggingface_hub import HfApi, snapshot_download
+def fetch(spec: HubSpec, progress: Callable[..., None], check_config: Callable[[Path], None] | None = None) -> Downloaded:
+    """The cache entry holding `spec`'s files, downloading them at the resolved SHA on a miss.
+    `check_config(folder)` sees the repository's config.json alone first, so a model that cannot
+    be served is refused before its weights are downloaded."""
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     endpoint = os.environ.get("HF_ENDPOINT") or None
@@ -181,6 +184,10 @@ def fetch(spec: HubSpec, progress: Callable[..., None]) -> Downloaded:
             _remember(spec, sha)
             model_cache.touch(entry)
             return Downloaded(entry, sha, True)
+        if check_config is not None and spec.gguf is None:
+            with tempfile.TemporaryDirectory(dir=root) as cfg_dir:
+                hf_hub_download(spec.repo, "config.json", revision=sha, local_dir=cfg_dir, endpoint=endpoint, token=token)
+                check_config(Path(cfg_dir))
         total = sum(size for _, size in files)
         progress("downloading", 0.0, {"bytes_done": 0, "bytes_total": total})
 
