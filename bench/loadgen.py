@@ -9,7 +9,11 @@ says. The prompt is the line's `prompt` text if present, else `prompt_tokens` to
 deterministically per request from --prompt-ids (the completions API takes token ids, so prompt
 lengths match the trace exactly; distinct ids keep prefix caches from flattering the run).
 `priority_class`, `tenant` (as `user`), `deadline` (as `deadline_ms`) and `cancel_at` (the client
-hangs up) are honoured. Timing is measured on the client: TTFT at the first content chunk, ITL
+hangs up) are honoured. With `--chat --json-schema-share F`, that share of the requests (chosen
+by id) asks for `response_format` `json_schema` (CONTRACT_SCHEMA) without `ignore_eos`, with at
+least 64 tokens of room; the server's verdict (`timing.output_contract`) is counted, and the
+report's `loadgen.contracts` gives verified outputs per second next to tokens per second: the
+cost of a verified answer, not of a token. Timing is measured on the client: TTFT at the first content chunk, ITL
 between content chunks, e2e at the last; queue time comes from the server's `timing` extension
 when present (Magnitude), else from its first `prefill` progress chunk, else it is null.
 
@@ -43,6 +47,14 @@ from magnitude.sim.simulate import SimResult  # noqa: E402
 from magnitude.sim.trace import TraceRecord, load_trace, write_atomic  # noqa: E402
 
 
+# What --json-schema-share requests ask for: short, bounded, and checkable.
+CONTRACT_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 60}, "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+    "required": ["answer", "confidence"], "additionalProperties": False,
+}
+CONTRACT_MIN_TOKENS = 64
+
 # Errors inside a 200 stream carry only a code; map it to the status a non-streaming reply would have.
 STREAM_ERROR_HTTP = {"deadline_exceeded": 504, "rejected": 429}
 
@@ -57,6 +69,7 @@ class Measured:
     finished: float | None = None
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    contract: str | None = None  # the server's output-contract verdict, when the request carried one
 
 
 def prompt_for(rec: TraceRecord, ids: tuple[int, int]) -> str | list[int]:
@@ -76,6 +89,10 @@ def request_body(rec: TraceRecord, args: argparse.Namespace, model: str) -> dict
         "ignore_eos": True,
     }
     prompt = prompt_for(rec, args.prompt_ids)
+    if args.chat and wants_contract(rec, args.json_schema_share):
+        body.pop("ignore_eos")
+        body["max_tokens"] = max(rec.output_tokens, CONTRACT_MIN_TOKENS)
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": CONTRACT_SCHEMA}}
     if args.chat:
         text = prompt if isinstance(prompt, str) else " ".join(f"w{t}" for t in prompt)
         body["messages"] = [{"role": "user", "content": text}]
@@ -88,6 +105,11 @@ def request_body(rec: TraceRecord, args: argparse.Namespace, model: str) -> dict
     if rec.deadline is not None:
         body["deadline_ms"] = max(1.0, (rec.deadline - rec.arrival) * 1000.0 * args.time_scale)
     return body
+
+
+def wants_contract(rec: TraceRecord, share: float) -> bool:
+    """Whether this request carries a JSON schema: a stable pick by id, so reruns choose the same."""
+    return share > 0 and random.Random(f"contract:{rec.id}").random() < share
 
 
 def _error_status(code: int, payload: dict[str, Any]) -> tuple[RequestStatus, str]:
@@ -137,6 +159,8 @@ async def run_one(client: httpx.AsyncClient, rec: TraceRecord, args: argparse.Na
                         m.output_tokens = chunk["usage"]["completion_tokens"]
                         m.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     timing = chunk.get("timing") or {}
+                    if timing.get("output_contract"):
+                        m.contract = timing["output_contract"]
                     if timing.get("queue_time_ms") is not None:
                         m.admitted = rec.arrival * args.time_scale + timing["queue_time_ms"] / 1000.0
                 m.finished = now()
@@ -181,6 +205,13 @@ async def replay(records: list[TraceRecord], args: argparse.Namespace) -> tuple[
         return list(results), time.monotonic() - t0
 
 
+def contract_summary(measured: list[Measured], wall: float) -> dict[str, Any]:
+    verdicts = [m.contract for m in measured if m.contract is not None]
+    valid = verdicts.count("valid")
+    return {"requests": len(verdicts), "valid": valid, "invalid": verdicts.count("invalid"),
+            "unverified": verdicts.count("unverified"), "verified_outputs_per_s": valid / wall if wall > 0 else 0.0}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="loadgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace")
@@ -193,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--max-connections", type=int, default=512)
     p.add_argument("--timeout", type=float, default=900.0, help="per-request read timeout, seconds")
+    p.add_argument("--json-schema-share", type=float, default=0.0,
+                   help="with --chat: share of requests asking for a JSON schema (counted as verified outputs)")
     args = p.parse_args(argv)
     lo, _, hi = args.prompt_ids.partition(":")
     args.prompt_ids = (int(lo), int(hi))
@@ -203,13 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     result = SimResult(EngineConfig(), f"measured:{args.url}", pairs, [], [], end)
     report = build_report(result, include_steps=False, include_events=False)
     report["loadgen"] = {"url": args.url, "trace": args.trace, "wall_seconds": wall, "time_scale": args.time_scale,
-                         "errors": sum(1 for _, r in pairs if (r.finish_reason or "").startswith("error"))}
+                         "errors": sum(1 for _, r in pairs if (r.finish_reason or "").startswith("error")),
+                         "contracts": contract_summary(measured, wall)}
     text = dump_report(report)
     if args.out:
         write_atomic(args.out, text)
     else:
         sys.stdout.write(text)
     s = report["summary"]
+    c = report["loadgen"]["contracts"]
+    if c["requests"]:
+        print(f"contracts: {c['requests']} asked, {c['valid']} valid, {c['invalid']} invalid, {c['unverified']} unverified | "
+              f"{c['verified_outputs_per_s']:.3f} verified outputs/s", file=sys.stderr)
     print(
         f"requests {s['requests']} finished {s['finished']} rejected {s['rejected']} cancelled {s['cancelled']} "
         f"timed_out {s['timed_out']} errors {report['loadgen']['errors']} | {s['throughput_tokens_per_s']:.1f} tok/s | "

@@ -176,6 +176,7 @@ def test_parallel_tool_calls_false_allows_one_call(model_server: RunningServer) 
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}], "tool_choice": "required"},
      "tools.0.function.parameters"),
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
 ])
 def test_bad_contracts_are_refused_by_name(model_server: RunningServer, patch: dict[str, Any], param: str) -> None:
     r = post(model_server, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **patch})

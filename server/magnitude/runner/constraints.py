@@ -30,14 +30,36 @@ def apply_constraints(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     import xgrammar  # the engine's dependency; imported here so unconstrained serving never loads it
 
     vocab = logits.shape[-1]
-    bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], vocab)
-    for i in rows:
-        params[i].constraint.fill_next_token_bitmask(bitmask, i)  # type: ignore[union-attr]
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab, indices=rows)
-    dead = [i for i in rows if bool(torch.isneginf(logits[i]).all())]
+    bitmask = _bitmask(len(rows), vocab)
+    for j, i in enumerate(rows):
+        params[i].constraint.fill_next_token_bitmask(bitmask, j)  # type: ignore[union-attr]
+    # Masking the constrained rows as one dense block is about twice as fast as xgrammar's
+    # `indices=` path on CPU (measured with 32 rows of SmolLM2's 49k vocabulary).
+    whole = len(rows) == logits.shape[0]
+    block = logits if whole else logits[rows]
+    xgrammar.apply_token_bitmask_inplace(block, bitmask.to(block.device), vocab_size=vocab)
+    if not whole:
+        logits[rows] = block
+    dead = torch.isneginf(block).all(dim=-1).nonzero()[:, 0].tolist()
     if dead:
-        raise ValueError(f"sampling rows {dead}: the grammar allows no token the model can produce")
+        raise ValueError(f"sampling rows {[rows[j] for j in dead]}: the grammar allows no token the model can produce")
     return logits
+
+
+_BITMASKS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _bitmask(rows: int, vocab: int) -> torch.Tensor:
+    """A packed bitmask buffer for `rows` rows, reused across steps (each fill rewrites its row
+    whole): allocating one per step cost as much as filling it."""
+    key = (rows, vocab)
+    if key not in _BITMASKS:
+        import xgrammar
+
+        if len(_BITMASKS) > 64:
+            _BITMASKS.clear()
+        _BITMASKS[key] = xgrammar.allocate_token_bitmask(rows, vocab)
+    return _BITMASKS[key]
 
 
 def advance_constraint(params: SamplingParams, token: int) -> None:

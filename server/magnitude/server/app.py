@@ -321,6 +321,10 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
                 plan = plan_answer(body)
             except PlanError as exc:
                 raise APIError(400, str(exc), param=exc.param, code="invalid_schema") from exc
+        if plan.contract is not None and body.ignore_eos:
+            # The grammar ends the answer (only EOS is allowed once it is complete).
+            raise APIError(400, f"ignore_eos: cannot be combined with {plan.contract_param}: the grammar ends the answer",
+                           param="ignore_eos")
         constraint = await constraint_for(plan, body)
         prompt_param = "messages" if chat else "prompt"
         limit = engine.max_model_len
