@@ -8,11 +8,14 @@ only owns the memory and the swap copies.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+log = logging.getLogger("magnitude.runner.kv")
 
 ACTIVATION_HEADROOM = 0.1  # of the weights' size, kept free for a large mixed step's activations
 
@@ -78,7 +81,11 @@ def default_num_blocks(shape: KVShape, device: torch.device, weight_bytes: int, 
             f"kvCache.memoryFraction {memory_fraction} leaves {max(budget, 0) / 2**20:.0f} MiB for the KV cache "
             f"({free_bytes / 2**30:.2f} GiB free on {device.type} after {weight_bytes / 2**30:.2f} GiB of weights); "
             f"one block needs {shape.bytes_per_block / 2**20:.2f} MiB: raise it or set kvCache.numBlocks")
-    return blocks_for_budget(shape, budget)
+    blocks = blocks_for_budget(shape, budget)
+    log.info("KV pool: %d blocks (%.2f GiB) = memoryFraction %s of %.2f GiB free on %s + %.2f GiB of weights, "
+             "less the weights and their activation headroom", blocks, blocks * shape.bytes_per_block / 2**30,
+             memory_fraction, free_bytes / 2**30, device.type, weight_bytes / 2**30)
+    return blocks
 
 
 def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
