@@ -242,3 +242,50 @@ def test_min_p_draws_follow_the_renormalised_distribution():
 def test_out_of_range_adjustments_are_refused(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
+
+
+class AllowOnly:
+    """A TokenConstraint allowing a fixed token set (xgrammar's packed layout: bit t of word t//32)."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+        self.accepted: list[int] = []
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bits = [0] * bitmask.shape[1]
+        for t in self.allowed:
+            bits[t // 32] |= 1 << (t % 32)
+        bitmask[row] = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32)
+
+    def accept_token(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return token_id in self.allowed
+
+
+def test_grammar_masked_draws_follow_the_renormalised_distribution_and_logprobs_are_masked():
+    logits = _logits(1, seed=9)[0] / 2
+    allowed = {1, 7, 33, 40, 49}  # across two bitmask words, and the last token of the vocabulary
+    params = SamplingParams(temperature=1.0, constraint=AllowOnly(allowed), logprobs=3)
+    plain = SamplingParams(temperature=1.0)
+    sampler = Sampler(torch.device("cpu"), seed=10)
+    counts = torch.zeros(VOCAB)
+    for _ in range(500):
+        # A constrained row beside an unconstrained one: the mask stays in its row.
+        out = sampler.sample(logits.repeat(2, 1), [params, plain], [0, 0])
+        counts[out[0].token_id] += 1
+    mask = torch.full((VOCAB,), float("-inf"))
+    mask[list(allowed)] = 0.0
+    expected = torch.softmax(logits + mask, -1)
+    n = counts.sum()
+    assert counts[expected == 0].sum() == 0
+    assert bool(((counts - n * expected).abs() <= 3.5 * torch.sqrt(n * expected * (1 - expected)).clamp(min=1.0)).all())
+    # Logprobs report the masked distribution: alternatives are allowed tokens, probabilities renormalised.
+    top = out[0].top_logprobs
+    assert {t for t, _ in top} <= allowed and len(top) == 3
+    assert abs(out[0].logprob - float(torch.log(expected[out[0].token_id]))) < 1e-4
+
+
+def test_a_grammar_that_allows_nothing_fails_its_row():
+    params = SamplingParams(temperature=0.0, constraint=AllowOnly(set()))
+    with pytest.raises(ValueError, match=r"rows \[0\]"):
+        Sampler(torch.device("cpu"), seed=0).sample(_logits(1, seed=1), [params], [0])
