@@ -75,6 +75,8 @@ class PodReport:
     record: Record | None = None
     source: str | None = None  # where the served weights came from (a ready pod's /readyz)
     revision: str | None = None  # hf:// sources: the commit SHA they were pinned to
+    bytes_done: int | None = None  # phase downloading: bytes on disk so far
+    bytes_total: int | None = None  # phase downloading: bytes the download will have
 
 
 @dataclass(frozen=True)

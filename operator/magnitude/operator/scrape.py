@@ -278,7 +278,13 @@ async def fetch_readiness(client: httpx.AsyncClient, url: str | None, pod: str) 
         return None
     phase = doc.get("phase") if status == 503 else None
     source, revision = doc.get("source"), doc.get("revision")
-    return PodReport(pod=pod, phase=phase[:64] if isinstance(phase, str) else None,
+    done, total = (_count(doc.get(k)) if status == 503 else None for k in ("bytes_done", "bytes_total"))
+    return PodReport(pod=pod, phase=phase[:64] if isinstance(phase, str) else None, bytes_done=done, bytes_total=total,
                      record=parse_record(doc.get("quantization")),
                      source=source[:1024] if isinstance(source, str) and status == 200 else None,
                      revision=revision[:256] if isinstance(revision, str) and status == 200 else None)
+
+
+def _count(value: Any) -> int | None:
+    """A byte count a pod reported, or None unless it is a non-negative integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

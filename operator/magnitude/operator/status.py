@@ -103,10 +103,11 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
     elif obs.desired_replicas == 0:
         _set(conds, READY, "False", "ScaledToZero", "replicas is 0", generation, now)
     elif ready > 0:
-        _set(conds, READY, "True", "PodsReady", f"{ready}/{obs.desired_replicas} pods ready", generation, now)
+        _set(conds, READY, "True", "PodsReady", f"{ready}/{obs.desired_replicas} pods ready"
+             + loading_note(obs.pod_reports), generation, now)
     else:
-        _set(conds, READY, "False", "NoReadyPods", f"0/{obs.desired_replicas} pods ready (pending or loading)",
-             generation, now)
+        _set(conds, READY, "False", "NoReadyPods", f"0/{obs.desired_replicas} pods ready (pending or loading)"
+             + loading_note(obs.pod_reports), generation, now)
 
     if obs.deployment is not None and not done:
         _set(conds, PROGRESSING, "True", "RollingOut",
@@ -156,6 +157,20 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
         autoscaler=memory,
         conditions=[conds[t] for t in CONDITION_ORDER if t in conds],
     )
+
+
+def loading_note(reports: tuple[q.PodReport, ...] | None) -> str:
+    """`; pod p1 downloading 12.0/50.0 MB; pod p2 loading_weights`: what the not-ready pods that
+    answered /readyz are doing ("" when none said)."""
+    notes = []
+    for r in reports or ():
+        if r.phase is None:
+            continue
+        if r.phase == "downloading" and r.bytes_done is not None and r.bytes_total:
+            notes.append(f"pod {r.pod} downloading {r.bytes_done / 1e6:.1f}/{r.bytes_total / 1e6:.1f} MB")
+        else:
+            notes.append(f"pod {r.pod} {r.phase}")
+    return "; " + "; ".join(notes) if notes else ""
 
 
 def served_model(reports: tuple[q.PodReport, ...] | None, prev: ModelStatus | None) -> ModelStatus | None:
