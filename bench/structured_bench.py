@@ -5,10 +5,11 @@ One `ModelRunner` on the bundled SmolLM2 runs the same decode step (every row at
 with plain greedy rows and with every row under a JSON-schema grammar (xgrammar matchers, as
 `response_format` builds them, each advanced part-way through a valid answer so the mask is a
 mid-object one). The step time is the runner's own `duration_s` (forward and sampling, with the
-mask fill, its apply and each matcher's advance by the token chosen), the median of --repeats
-after one unmeasured step.
+mask fill, its apply and each matcher's advance by the token chosen) and its sampling stage
+alone (`last_step.sample_s`: where the mask's cost lands), medians of --repeats, plain and
+constrained steps alternated, after one unmeasured step.
 
-    .venv/bin/python bench/structured_bench.py [--threads 2] [--context 100] [--repeats 7]
+    .venv/bin/python bench/structured_bench.py [--threads 2] [--context 100] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=100)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
 
     import torch
@@ -59,24 +60,31 @@ def main() -> None:
             assert m.accept_token(t)
         return m
 
-    print(f"\n{'batch':>5} {'plain ms':>9} {'constrained ms':>15} {'added':>7}")
+    print(f"\n{'batch':>5} {'plain ms':>9} {'constrained ms':>15} {'added':>7} {'sampling ms plain/constrained':>31}")
     results = {}
     for b in batches:
         base = _plan(b, 0, args.context, runner.block_size, 0)
         runner.execute(base)
-        plain = statistics.median(runner.execute(base).duration_s for _ in range(args.repeats))
-        constrained = []
-        for r in range(args.repeats + 1):
+        plain, constrained, plain_sample, constrained_sample = [], [], [], []
+        for r in range(args.repeats + 1):  # alternated, so a busy moment hits both alike
             plan = dataclasses.replace(base, seqs=[
                 dataclasses.replace(s, sampling=dataclasses.replace(s.sampling, constraint=matcher(r + i)))
                 for i, s in enumerate(base.seqs)])
             out = runner.execute(plan)
             assert not out.failed, out.failed
+            sample_s = runner.last_step.sample_s
+            step = runner.execute(base).duration_s
             if r:  # the first is unmeasured
                 constrained.append(out.duration_s)
-        c = statistics.median(constrained)
-        results[b] = {"plain_s": plain, "constrained_s": c, "added": (c - plain) / plain}
-        print(f"{b:>5} {1000 * plain:9.2f} {1000 * c:15.2f} {100 * results[b]['added']:6.1f}%")
+                constrained_sample.append(sample_s)
+                plain.append(step)
+                plain_sample.append(runner.last_step.sample_s)
+        p, c = statistics.median(plain), statistics.median(constrained)
+        ps, cs = statistics.median(plain_sample), statistics.median(constrained_sample)
+        results[b] = {"plain_s": p, "constrained_s": c, "added": (c - p) / p, "sampling_plain_s": ps,
+                      "sampling_constrained_s": cs, "added_by_sampling": (cs - ps) / p}
+        print(f"{b:>5} {1000 * p:9.2f} {1000 * c:15.2f} {100 * results[b]['added']:6.1f}% "
+              f"{1000 * ps:14.2f} / {1000 * cs:.2f} ({100 * results[b]['added_by_sampling']:.1f}% of the step)")
     print("\n" + json.dumps({"context": args.context, "threads": args.threads, "results": results}))
 
 
