@@ -6,7 +6,8 @@ PersistentVolumeClaim bound to a static hostPath PV, which the stand-in kubelet 
 folder shared by every pod (e2e/kubelet.py). The engines run the real runner on a tiny random
 Llama built in the test. The first pod downloads; scaled to two replicas, the second pod becomes
 ready from the cache without downloading a byte; status.model reports the commit SHA the tag
-resolved to. First- and second-pod ready times are printed.
+resolved to. First- and second-pod ready times are printed. Second test: a `pvc://` source, a
+tiny model pre-staged on a volume, mounted read-only from its claim and served.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import httpx
 
 from conftest import REPO, wait_for
 from test_modelservice import NS, debug, delete_and_wait, msvc, pods, ready_msvc
@@ -94,7 +97,6 @@ def test_hub_model_two_replicas_second_from_the_cache(kube, operator, kubelet, t
         second_ready = time.monotonic() - t1
         assert file_downloads(hub) == downloaded, "the second pod downloaded again instead of using the cache"
         [second] = [p for p in pods(kube, name) if p["metadata"]["name"] != first["metadata"]["name"]]
-        import httpx
         url = f"http://{second['status']['podIP']}:8000"
         listed = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         assert [m["id"] for m in listed] == ["tiny-chat"] and listed[0]["revision"] == sha, listed
@@ -111,3 +113,53 @@ def test_hub_model_two_replicas_second_from_the_cache(kube, operator, kubelet, t
             kube.run("delete", obj["kind"].lower(), obj["metadata"]["name"], "-n", NS, "--wait=false",
                      "--ignore-not-found", check=False)
         hub.stop()
+
+
+def test_pvc_source_is_served_from_the_claim(kube, operator, kubelet, tmp_path: Path) -> None:
+    """`pvc://CLAIM/PATH`: a tiny random Llama already on a volume (a static hostPath PV, the way
+    weights are pre-staged on a cluster) is mounted from its claim and served under its served
+    name; the Deployment mounts the claim read-only and hands the engine the plain path."""
+    tiny = _runner_module("tiny_models")
+    volume = tmp_path / "weights"
+    tiny.build_tiny_model("llama", volume / "llama" / "tiny", seed=3)
+    name, claim, pv = "pvc-model", "pvc-weights", f"pvc-weights-{os.getpid()}"
+    kubelet.runner_for[name] = "real"
+    objects = [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                  "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(volume)},
+                  "claimRef": {"namespace": NS, "name": claim}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": NS},
+         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv,
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ]
+    service = {
+        "apiVersion": "serving.magnitude.dev/v1alpha1", "kind": "ModelService",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"model": {"source": f"pvc://{claim}/llama/tiny", "servedModelName": "tiny-from-pvc"},
+                 "replicas": 1, "resources": {"cpu": "100m", "memory": "256Mi"},
+                 "scheduler": {"maxSequences": 2, "tokenBudget": 64, "prefillChunkSize": 32},
+                 "kvCache": {"numBlocks": 64}, "drainSeconds": 0},
+    }
+    try:
+        for obj in objects:
+            kube.apply(obj)
+        kube.apply(service)
+        ready_msvc(kube, operator, kubelet, name, timeout=240, replicas=1)
+        [pod] = pods(kube, name)
+        container = pod["spec"]["containers"][0]
+        assert container["args"][container["args"].index("--model") + 1] == f"/models/{claim}/llama/tiny"
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["model-source"]["persistentVolumeClaim"] == {"claimName": claim, "readOnly": True}
+        url = f"http://{pod['status']['podIP']}:8000"
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]] == ["tiny-from-pvc"]
+        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny-from-pvc", "prompt": "t5 t9 t44", "max_tokens": 4, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+    finally:
+        kubelet.runner_for.pop(name, None)
+        if msvc(kube, name) is not None:
+            delete_and_wait(kube, name, timeout=90)
+        for obj in reversed(objects):
+            kube.run("delete", obj["kind"].lower(), obj["metadata"]["name"], "-n", NS, "--wait=false",
+                     "--ignore-not-found", check=False)
