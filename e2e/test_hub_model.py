@@ -42,6 +42,29 @@ def file_downloads(hub) -> int:
     return sum(1 for method, path in list(hub.requests) if method == "GET" and "/resolve/" in path)
 
 
+def static_claim(claim: str, pv: str, folder: Path, mode: str) -> list[dict]:
+    """A PersistentVolume on a local folder (hostPath) pre-bound to a claim of that name, as an
+    admin stages one by hand; the stand-in kubelet backs the claim with that folder."""
+    return [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [mode], "storageClassName": "",
+                  "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(folder)},
+                  "claimRef": {"namespace": NS, "name": claim}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": NS},
+         "spec": {"accessModes": [mode], "storageClassName": "", "volumeName": pv,
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ]
+
+
+def remove(kube, kubelet, name: str, objects: list[dict]) -> None:
+    kubelet.runner_for.pop(name, None)
+    if msvc(kube, name) is not None:
+        delete_and_wait(kube, name, timeout=90)
+    for obj in reversed(objects):
+        kube.run("delete", obj["kind"].lower(), obj["metadata"]["name"], "-n", NS, "--wait=false",
+                 "--ignore-not-found", check=False)
+
+
 def test_hub_model_two_replicas_second_from_the_cache(kube, operator, kubelet, tmp_path: Path) -> None:
     tiny = _runner_module("tiny_models")
     hub = _runner_module("hub_standin").HubStandIn(token=TOKEN)
@@ -53,13 +76,7 @@ def test_hub_model_two_replicas_second_from_the_cache(kube, operator, kubelet, t
     objects = [
         {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hub-token", "namespace": NS},
          "stringData": {"token": TOKEN}},
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
-                  "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(cache_dir)},
-                  "claimRef": {"namespace": NS, "name": claim}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": NS},
-         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
-                  "resources": {"requests": {"storage": "1Gi"}}}},
+        *static_claim(claim, pv, cache_dir, "ReadWriteMany"),
     ]
     service = {
         "apiVersion": "serving.magnitude.dev/v1alpha1", "kind": "ModelService",
@@ -106,12 +123,7 @@ def test_hub_model_two_replicas_second_from_the_cache(kube, operator, kubelet, t
         print(json.dumps({"first_pod_ready_s": round(first_ready, 1), "second_pod_ready_s": round(second_ready, 1),
                           "hub_file_downloads": downloaded, "revision": sha}))
     finally:
-        kubelet.runner_for.pop(name, None)
-        if msvc(kube, name) is not None:
-            delete_and_wait(kube, name, timeout=90)
-        for obj in reversed(objects):
-            kube.run("delete", obj["kind"].lower(), obj["metadata"]["name"], "-n", NS, "--wait=false",
-                     "--ignore-not-found", check=False)
+        remove(kube, kubelet, name, objects)
         hub.stop()
 
 
@@ -124,15 +136,7 @@ def test_pvc_source_is_served_from_the_claim(kube, operator, kubelet, tmp_path: 
     tiny.build_tiny_model("llama", volume / "llama" / "tiny", seed=3)
     name, claim, pv = "pvc-model", "pvc-weights", f"pvc-weights-{os.getpid()}"
     kubelet.runner_for[name] = "real"
-    objects = [
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
-                  "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(volume)},
-                  "claimRef": {"namespace": NS, "name": claim}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": NS},
-         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv,
-                  "resources": {"requests": {"storage": "1Gi"}}}},
-    ]
+    objects = static_claim(claim, pv, volume, "ReadOnlyMany")
     service = {
         "apiVersion": "serving.magnitude.dev/v1alpha1", "kind": "ModelService",
         "metadata": {"name": name, "namespace": NS},
@@ -157,9 +161,4 @@ def test_pvc_source_is_served_from_the_claim(kube, operator, kubelet, tmp_path: 
             "model": "tiny-from-pvc", "prompt": "t5 t9 t44", "max_tokens": 4, "temperature": 0})
         assert answer.status_code == 200, answer.text
     finally:
-        kubelet.runner_for.pop(name, None)
-        if msvc(kube, name) is not None:
-            delete_and_wait(kube, name, timeout=90)
-        for obj in reversed(objects):
-            kube.run("delete", obj["kind"].lower(), obj["metadata"]["name"], "-n", NS, "--wait=false",
-                     "--ignore-not-found", check=False)
+        remove(kube, kubelet, name, objects)
