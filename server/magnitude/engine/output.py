@@ -86,6 +86,9 @@ class RunnerOutput:
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     duration_s: float = 0.0
+    # Speculative decoding: draft tokens proposed per request this step (absent: none proposed).
+    # Accepted drafts are `len(sampled[rid]) - 1`.
+    num_drafts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

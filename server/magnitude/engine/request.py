@@ -54,6 +54,8 @@ class Request:
     num_lookahead: int = 0  # speculative draft tokens wanted per decode (capped by maxLookaheadTokens)
 
     # ---- state (owned by the scheduler) ----
+    spec_proposed: int = 0  # draft tokens the runner proposed for this request
+    spec_accepted: int = 0  # ... and how many of them verification kept
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)

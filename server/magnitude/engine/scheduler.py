@@ -77,7 +77,12 @@ class Scheduler:
         self.token_budget = sp.token_budget
         self.max_sequences = sp.max_sequences
         self.chunk_size = min(sp.prefill_chunk_size or sp.token_budget, sp.token_budget)
-        self.max_lookahead = sp.max_lookahead_tokens
+        # Speculation: a configured draft sets every eligible request's lookahead to
+        # numSpeculativeTokens, which is also the bound when maxLookaheadTokens is left at 0.
+        draft = config.draft_model
+        self.num_speculative_tokens = draft.num_speculative_tokens if draft is not None else 0
+        self.max_lookahead = sp.max_lookahead_tokens or self.num_speculative_tokens
+        self.speculating = draft is None or draft.mode != "off"  # `auto` flips it (set_speculation)
         blocks = num_blocks if num_blocks is not None else config.kv_cache.num_blocks
         if blocks is None:
             raise ValueError("kvCache.numBlocks is null: pass num_blocks (sized by the runner)")
@@ -118,6 +123,11 @@ class Scheduler:
             request.tenant = "default"
         if request.output_estimate is None:
             request.output_estimate = self.expected_output_tokens()
+        sampling = request.sampling
+        # Rows whose logits are adjusted get no drafts from the runner: budget no lookahead for them.
+        if (self.num_speculative_tokens and not request.num_lookahead and not sampling.adjusts_logits
+                and sampling.constraint is None):
+            request.num_lookahead = self.num_speculative_tokens
 
     def expected_output_tokens(self) -> int:
         """What admission counts for an output whose length is unknown: the measured mean output
@@ -288,7 +298,7 @@ class Scheduler:
                 partials.append(req)
                 continue
             k = 0
-            if self.max_lookahead and req.num_lookahead:
+            if self.max_lookahead and req.num_lookahead and self.speculating:
                 k = max(0, min(req.num_lookahead, self.max_lookahead, req.max_tokens - req.num_output_tokens - 1))
             if step.budget < 1 + k:
                 self._defer(req, "token_budget", now)
@@ -546,6 +556,10 @@ class Scheduler:
             need = req.num_computed_tokens + n + step.lookahead.get(rid, 0)
             assert len(req.block_ids) * bs >= need, f"{rid}: block table too short"
 
+    def set_speculation(self, on: bool) -> None:
+        """Turn draft lookahead on or off for the next steps (the `auto` policy's decision)."""
+        self.speculating = on
+
     # ------------------------------------------------------------------ results
     def update_from_output(self, plan: StepPlan, output: RunnerOutput, now: float) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
@@ -572,6 +586,10 @@ class Scheduler:
             if seq.sample:
                 sampled = output.sampled[rid]
                 req.num_computed_tokens += len(sampled) - 1  # accepted draft tokens were computed too
+                drafts = output.num_drafts.get(rid, 0)
+                if drafts:
+                    req.spec_proposed += drafts
+                    req.spec_accepted += len(sampled) - 1
                 reason = self._append_tokens(req, sampled, new, now)
             self.kv.cache_full_blocks(req)
             if reason is not None:

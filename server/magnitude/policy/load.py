@@ -49,6 +49,10 @@ def _nested_model(model: type[BaseModel], alias: str) -> tuple[type[BaseModel] |
         if (f.alias or name) != alias:
             continue
         ann = f.annotation
+        # An optional section (`draftModel: X | None`): its model is the non-None member.
+        members = [a for a in getattr(ann, "__args__", ()) if a is not type(None)]
+        if type(None) in getattr(ann, "__args__", ()) and len(members) == 1:
+            ann = members[0]
         origin = getattr(ann, "__origin__", None)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             return ann, False

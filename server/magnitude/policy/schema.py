@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
@@ -213,6 +213,56 @@ class QuantizationEvaluationPolicy(PolicyModel):
     )
 
 
+class DraftModelPolicy(PolicyModel):
+    """Speculative decoding: who proposes draft tokens, how many per decode, and when it runs."""
+
+    method: Literal["ngram", "draft"] = Field(
+        default="draft",
+        description="ngram: prompt lookup (drafts copied from the request's own context, no second model); "
+        "draft: a small model (not implemented by the engine yet: refused by name).",
+    )
+    source: str | None = Field(
+        default=None, min_length=1, max_length=1024,
+        description="The draft model (same forms as `model.source`); required for method draft, refused for ngram.",
+    )
+    revision: str | None = Field(default=None, max_length=256, description="Draft model revision (method draft only).")
+    num_speculative_tokens: int = Field(
+        default=4, ge=1, le=16,
+        description="Draft tokens proposed per decode step; sets the lookahead when scheduler.maxLookaheadTokens is 0, "
+        "else must not exceed it.",
+    )
+    mode: Literal["on", "off", "auto"] = Field(
+        default="auto",
+        description="on: always speculate; off: never (the draft stays configured); auto: speculate while the "
+        "measured acceptance and step costs say it pays.",
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, v: object) -> object:
+        # YAML 1.1 reads a bare `on`/`off` as a boolean; the user meant the mode.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _check_method(self) -> "DraftModelPolicy":
+        if self.method == "draft" and not self.source:
+            raise ValueError("draftModel.source is required for method draft")
+        if self.method == "ngram" and (self.source or self.revision):
+            raise ValueError("draftModel.source and draftModel.revision apply to method draft only, not ngram")
+        return self
+
+
+def speculation_problem(config: "EngineConfig") -> tuple[str, str] | None:
+    """(field, reason) when the draft settings cannot run with this scheduler policy, else None.
+    Shared by `magnitude serve` (exit 2) and the operator (Degraded)."""
+    d = config.draft_model
+    bound = config.scheduler.max_lookahead_tokens
+    if d is not None and bound and d.num_speculative_tokens > bound:
+        return ("draftModel.numSpeculativeTokens",
+                f"{d.num_speculative_tokens} exceeds scheduler.maxLookaheadTokens {bound}")
+    return None
+
+
 class EngineConfig(PolicyModel):
     """The whole engine-facing document: what a ConfigMap, --config file or simulator config holds."""
 
@@ -227,4 +277,7 @@ class EngineConfig(PolicyModel):
     quantization_evaluation: QuantizationEvaluationPolicy = Field(
         default_factory=QuantizationEvaluationPolicy,
         description="What a quantized model's evaluation record must show before it is served.",
+    )
+    draft_model: DraftModelPolicy | None = Field(
+        default=None, description="Speculative decoding (prompt lookup today); null: none."
     )

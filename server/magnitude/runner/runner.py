@@ -7,8 +7,9 @@ registered paged attention reads/writes our KV pool by the plan's block tables. 
 only on the rows that sample; a row the sampler cannot sample fails its request alone too. Recompute needs nothing here: the scheduler simply re-prefills.
 
 Speculative decoding hook: a `DraftProposer` (none by default) fills a decode's `num_lookahead`
-slots with draft tokens; the step computes them together and greedy verification keeps the
-matching prefix plus one model token (random sampling keeps only the first token for now).
+slots with draft tokens (prompt lookup: runner/spec_decode.py); the step computes them together.
+Greedy verification keeps the drafts matching the argmax plus one model token; random sampling
+verifies by rejection sampling (`Sampler.verify`), so the output distribution is the target's.
 """
 
 from __future__ import annotations
@@ -300,7 +301,9 @@ class ModelRunner:
         for i, w in enumerate(samplers):
             if first[i] is None:
                 continue  # failed alone, in out.failed
-            if not w.drafts or not w.seq.sampling.greedy:
+            if w.drafts:
+                out.num_drafts[w.seq.request_id] = len(w.drafts)
+            if not w.drafts:
                 try:
                     advance_constraint(w.seq.sampling, first[i].token_id)
                 except ValueError as exc:  # this request's grammar is broken, not the step
@@ -309,8 +312,14 @@ class ModelRunner:
                 out.sampled[w.seq.request_id] = [first[i]]
                 continue
             block = logits[first_rows[i] : first_rows[i] + len(w.drafts) + 1]
-            targets = torch.argmax(block, dim=-1).tolist()
-            kept = accept_drafts(targets, w.drafts)
+            try:
+                if w.seq.sampling.greedy:
+                    kept = accept_drafts(torch.argmax(block, dim=-1).tolist(), w.drafts)
+                else:
+                    kept = self.sampler.verify(block, w.seq.sampling, w.seq.num_output_tokens, w.drafts)
+            except ValueError as exc:  # NaN/inf logits in a draft row: this request fails alone
+                out.failed[w.seq.request_id] = f"sampling failed: {exc}"
+                continue
             tokens = Sampler.attach_logprobs(block[: len(kept)], [w.seq.sampling] * len(kept), kept)
             out.sampled[w.seq.request_id] = tokens
 

@@ -209,6 +209,21 @@ class Sampler:
         tokens = self.choose(logits, params, steps, histories)
         return self.attach_logprobs(logits, params, tokens)
 
+    def verify(self, logits: torch.Tensor, params: SamplingParams, step: int, drafts: list[int]) -> list[int]:
+        """Sampling verification of one request's point-mass drafts (`verify_drafts`): `logits`
+        holds len(drafts) + 1 rows, row j the position before draft j. Row j's uniform is the one a
+        non-speculative step at output index `step + j` would draw (seeded: Generator(seed, index)),
+        so a seeded request's tokens are the same with speculation on, off or toggled by auto."""
+        logits = logits.float()
+        check_logits(logits)
+        probs = torch.softmax(filter_logits(logits, [params] * logits.shape[0]), dim=-1)
+        if params.seed is not None:
+            uniforms = torch.cat([torch.rand(1, generator=seeded_generator(params.seed, step + j, logits.device),
+                                             device=logits.device) for j in range(logits.shape[0])])
+        else:
+            uniforms = torch.rand(logits.shape[0], generator=self._rng, device=logits.device)
+        return verify_drafts(probs, drafts, uniforms)
+
     @staticmethod
     def attach_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[SampledToken]:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -233,3 +248,16 @@ def accept_drafts(target_tokens: list[int], drafts: list[int]) -> list[int]:
             return accepted
     accepted.append(target_tokens[len(drafts)])
     return accepted
+
+
+def verify_drafts(probs: torch.Tensor, drafts: list[int], uniforms: torch.Tensor) -> list[int]:
+    """Rejection sampling (Leviathan et al. 2023, Chen et al. 2023) for a deterministic proposer.
+
+    The general rule accepts draft d with probability min(1, p(d) / q(d)) and on rejection draws
+    from max(0, p - q) normalised. A point-mass q (q(d) = 1) makes that: accept with probability
+    p(d); on rejection draw from p with d removed, renormalised. Both come from one inverse-CDF draw
+    x = F_p^-1(u): P(x = d) = p(d), and given x != d, x is distributed as p without d,
+    renormalised — the residual. So each position draws x from the target row, keeps d while x
+    equals it, and at the first mismatch emits x (the residual draw); after all drafts the last row
+    gives the bonus token. `probs` [len(drafts) + 1, V], `uniforms` one per row."""
+    return accept_drafts(draw(probs[: len(drafts) + 1], uniforms[: len(drafts) + 1]), drafts)
