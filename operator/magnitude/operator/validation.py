@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from magnitude.operator.spec import ModelServiceSpec
+from magnitude.policy.schema import speculation_problem
 
 # What `magnitude serve --quantization` can load today. Widen these as the runner learns more.
 ENGINE_QUANTIZATIONS = frozenset({"none", "w8a8", "w8a16", "int8"})
@@ -58,14 +59,13 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
         problems.append(Problem("spec.quantization",
                                 f"the engine cannot load {spec.quantization} weights yet "
                                 f"(supported: {', '.join(sorted(ENGINE_QUANTIZATIONS))})"))
-    if spec.draft_model is not None:
-        if not ENGINE_LOADS_DRAFT_MODELS:
-            problems.append(Problem("spec.draftModel",
-                                    "the engine cannot load a draft model yet (`magnitude serve` has no draft loader)"))
-        if spec.draft_model.num_speculative_tokens > spec.scheduler.max_lookahead_tokens:
-            problems.append(Problem("spec.draftModel.numSpeculativeTokens",
-                                    f"{spec.draft_model.num_speculative_tokens} exceeds "
-                                    f"spec.scheduler.maxLookaheadTokens {spec.scheduler.max_lookahead_tokens}"))
+    if spec.draft_model is not None and spec.draft_model.method == "draft" and not ENGINE_LOADS_DRAFT_MODELS:
+        problems.append(Problem("spec.draftModel.method",
+                                "the engine cannot load a draft model yet (method draft); use method ngram "
+                                "(prompt lookup)"))
+    spec_problem = speculation_problem(spec)
+    if spec_problem is not None:
+        problems.append(Problem(f"spec.{spec_problem[0]}", spec_problem[1]))
     problems += _auth_problems(spec)
     for flag, field in SPEC_FLAGS.items():
         if any(_names_flag(a, flag) for a in spec.extra_args):
