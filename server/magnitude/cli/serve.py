@@ -38,6 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: $MAGNITUDE_MODEL_REVISION, else the @revision in --model, else main)")
     p.add_argument("--config", help="engine config file (YAML or JSON): scheduler, kvCache, admission")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key by dotted camelCase path")
+    p.add_argument("--draft-model", metavar="SRC|ngram",
+                   help="speculative decoding: ngram (prompt lookup: drafts copied from the request's own context); "
+                        "draft model sources are refused (not implemented yet). Overrides the config's draftModel")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, metavar="K",
+                   help="draft tokens per decode (draftModel.numSpeculativeTokens, default 4); sets the lookahead "
+                        "when scheduler.maxLookaheadTokens is 0, else must not exceed it")
+    p.add_argument("--speculation", choices=("on", "off", "auto"),
+                   help="draftModel.mode: on, off, or auto (default: speculate while measured acceptance and step "
+                        "costs say it pays)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--runner", choices=("real", "simulated"), default="real",
@@ -99,6 +108,44 @@ def _derive_prefill_chunk(args: argparse.Namespace, config: Any) -> Any:
     return resolved
 
 
+def _apply_speculation(args: argparse.Namespace, config: Any) -> Any:
+    """The config's draftModel with --draft-model, --num-speculative-tokens and --speculation
+    applied; anything the engine cannot run is refused by name (ConfigError: exit 2)."""
+    from pydantic import ValidationError
+
+    from magnitude.policy.load import ConfigError
+    from magnitude.policy.schema import DraftModelPolicy, speculation_problem
+
+    doc = config.draft_model.model_dump(by_alias=True, exclude_unset=True) if config.draft_model else None
+    if args.draft_model is not None:
+        if args.draft_model != "ngram":
+            raise ConfigError(f"--draft-model {args.draft_model}: draft models are not implemented yet; use ngram")
+        doc = {k: v for k, v in (doc or {}).items() if k in ("numSpeculativeTokens", "mode")} | {"method": "ngram"}
+    if doc is None:
+        for flag, value in (("--num-speculative-tokens", args.num_speculative_tokens), ("--speculation", args.speculation)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --draft-model ngram (or draftModel in the config)")
+        return config
+    if args.num_speculative_tokens is not None:
+        doc["numSpeculativeTokens"] = args.num_speculative_tokens
+    if args.speculation is not None:
+        doc["mode"] = args.speculation
+    try:
+        draft = DraftModelPolicy.model_validate(doc)
+    except ValidationError as exc:
+        raise ConfigError(f"draftModel: {exc.errors()[0]['msg']}") from exc
+    if draft.method == "draft":
+        raise ConfigError(f"draftModel.source {draft.source}: draft models are not implemented yet; use ngram")
+    if args.runner == "simulated":
+        raise ConfigError("draftModel: the simulated runner does not model speculation yet; use --runner real")
+    config = config.model_copy(update={"draft_model": draft})
+    problem = speculation_problem(config)
+    if problem is not None:
+        flag = "--num-speculative-tokens" if args.num_speculative_tokens is not None else problem[0]
+        raise ConfigError(f"{flag}: {problem[1]}")
+    return config
+
+
 def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
     if args.quantization != "none" and (args.device or "").startswith("cuda"):
         from magnitude.policy.load import ConfigError
@@ -120,6 +167,7 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
     def load_real(progress: Any) -> Any:
         from magnitude.runner import ModelRunner
         from magnitude.runner.loading import cache_root
+        from magnitude.runner.spec_decode import NgramProposer
 
         runner = ModelRunner(
             source=source,
@@ -132,6 +180,7 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
             num_swap_blocks=config.kv_cache.swap_blocks,
             memory_fraction=config.kv_cache.memory_fraction,
             progress=progress,
+            draft_proposer=NgramProposer() if config.draft_model is not None else None,
         )
         if args.served_model_name:
             runner.model_name = args.served_model_name
@@ -171,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.set)
         config = _derive_prefill_chunk(args, config)
+        config = _apply_speculation(args, config)
         load_runner = _runner_factory(args, config)
     except (ConfigError, CostModelError) as exc:
         print(f"magnitude serve: {exc}", file=sys.stderr)

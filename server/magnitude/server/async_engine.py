@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from magnitude.engine.output import RunnerOutput, StepPlan
 from magnitude.engine.quantization import judge, summary
 from magnitude.engine.sampling import SamplingParams
+from magnitude.engine.speculation import SpeculationPolicy
 from magnitude.policy.schema import EngineConfig
 from magnitude.server.body_limit import context_body_bytes
 from magnitude.server.engine_loop import EngineLoop, StepStats, stats_of
@@ -186,6 +187,12 @@ class AsyncEngine:
         request_log: RequestLog | None = None,
     ) -> None:
         self.config = config
+        draft = config.draft_model
+        # Speculation's on/off state (mode auto: measured, engine/speculation.py); None without a draft.
+        self.speculation = SpeculationPolicy(draft.mode) if draft is not None else None
+        self.spec_method = draft.method if draft is not None else ""
+        if self.speculation is not None:
+            metrics.set_speculation_enabled(self.spec_method, self.speculation.enabled)
         self.request_log = request_log if request_log is not None else RequestLog(clock)
         metrics.register_decisions(self.request_log.decision_counts)
         self.stall_timeout_s = stall_timeout_s
@@ -468,6 +475,8 @@ class AsyncEngine:
             self._prefill_progress(plan)
         events = self._dispatch_events(now - stats.duration_s, now, plan, updates)
         sampled = output.sampled if output is not None else {}
+        if self.speculation is not None and plan is not None and plan.seqs and output is not None:
+            self._observe_speculation(plan, output, stats)
         for upd in updates:
             tr = self._tracked.get(upd.request_id)
             if tr is None or tr.done:
@@ -481,6 +490,27 @@ class AsyncEngine:
         self._finalize_from_events(events)
         self._queue_positions()
         self._flush()
+
+    def _observe_speculation(self, plan: StepPlan, output: RunnerOutput, stats: StepStats) -> None:
+        """Draft counters per priority class, and the auto policy's decision for the next step."""
+        assert self.loop is not None and self.speculation is not None
+        decodes = tokens = 0
+        for seq in plan.seqs:
+            sampled = output.sampled.get(seq.request_id)
+            if not (seq.sample and seq.num_tokens == 1 and sampled):
+                continue
+            decodes += 1
+            tokens += len(sampled)
+            proposed = output.num_drafts.get(seq.request_id, 0)
+            tr = self._tracked.get(seq.request_id)
+            if proposed and tr is not None:
+                self.metrics.observe_speculation(tr.spec.priority_class, self.spec_method, proposed, len(sampled) - 1)
+        was = self.speculation.enabled
+        on = self.speculation.observe(stats.duration_s, decodes, tokens, prefill=stats.num_prefill_tokens > 0)
+        if on != was:
+            log.info("speculation %s (auto: measured gain %s)", "on" if on else "off", self.speculation.gain())
+            self.loop.scheduler.set_speculation(on)
+            self.metrics.set_speculation_enabled(self.spec_method, on)
 
     def _dispatch_events(self, start: float, end: float, plan: StepPlan | None, updates: list[Any]) -> list[Any]:
         """Drain the scheduler's decisions into the request log (with this step's chunks and first
@@ -570,7 +600,9 @@ class AsyncEngine:
         req = tr.request
         times = list(getattr(req, "token_times", []) or [])
         finished = getattr(req, "finish_time", None) or end or (times[-1] if times else None) or self.clock()
-        timing = self.request_log.close(req.request_id, status, finished, times)
+        proposed = getattr(req, "spec_proposed", 0)
+        acceptance = round(req.spec_accepted / proposed, 4) if proposed else None
+        timing = self.request_log.close(req.request_id, status, finished, times, acceptance)
         rec = RequestRecord(
             priority_class=req.priority_class,
             tenant=req.tenant,

@@ -153,6 +153,13 @@ class EngineMetrics:
                                  "valid, invalid, or unverified (cut short before it could be checked).", ("result",))
         for result in ("valid", "invalid", "unverified"):
             self.output_contract.labels(result)  # every series from the start: rate() needs no first event
+        spec = ("priority_class", "method")
+        self.spec_draft_tokens = c("spec_decode_draft_tokens", "Speculative draft tokens proposed.", spec)
+        self.spec_accepted_tokens = c("spec_decode_accepted_tokens",
+                                      "Speculative draft tokens that verification accepted.", spec)
+        self.spec_enabled = Gauge(PREFIX + "spec_decode_enabled",
+                                  "1 while drafts are proposed by this method (auto mode switches it), else 0.",
+                                  ("method",), registry=r)
         if compat == "vllm":
             self.registry.register(_VllmView(self))
 
@@ -257,6 +264,13 @@ class EngineMetrics:
         self._ever_shed |= shed
         for cls in self._ever_shed:  # classes shed before and not now go to 0
             self.shed_class.labels(cls).set(1 if cls in shed else 0)
+
+    def observe_speculation(self, priority_class: str, method: str, proposed: int, accepted: int) -> None:
+        self.spec_draft_tokens.labels(priority_class, method).inc(proposed)
+        self.spec_accepted_tokens.labels(priority_class, method).inc(accepted)
+
+    def set_speculation_enabled(self, method: str, enabled: bool) -> None:
+        self.spec_enabled.labels(method).set(1 if enabled else 0)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -94,6 +94,8 @@ class RequestTimeline:
     preempted_before_first_token_s: float = 0.0
     mean_itl_ms: float | None = None
     prefilled: int = 0  # highest prompt position a chunk reached
+    spec_acceptance: float | None = None  # accepted / proposed draft tokens; None: speculation never ran
+    max_burst_tokens: int | None = None  # most tokens that landed in one step (> 1 only under speculation)
 
     def timing(self, now: float) -> dict[str, float | int | None]:
         """The response's `timing`; a live request is measured up to `now`. None = phase not reached."""
@@ -118,6 +120,8 @@ class RequestTimeline:
             "decode_ms": None if decode is None else ms(decode),
             "preempted_ms": ms(preempted),
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "spec_acceptance": self.spec_acceptance,
+            "max_burst_tokens": self.max_burst_tokens,
         }
 
     def to_document(self, now: float) -> dict[str, Any]:
@@ -222,8 +226,11 @@ class RequestLog:
         with self._lock:
             self._decision(SchedulerEvent(t, "shed", "", "admin" if classes else "off", {"classes": list(classes)}))
 
-    def close(self, request_id: str, status: str, end: float, token_times: list[float]) -> dict[str, float | int | None]:
-        """The request ended: freeze its timing and move it to the ring of recent requests."""
+    def close(self, request_id: str, status: str, end: float, token_times: list[float],
+              spec_acceptance: float | None = None) -> dict[str, float | int | None]:
+        """The request ended: freeze its timing and move it to the ring of recent requests.
+        ITL is per token: tokens that landed together in one step (accepted drafts) count as
+        separate gaps of 0, and the largest such burst is reported as `max_burst_tokens`."""
         with self._lock:
             rec = self._live.pop(request_id, None)
             self._prefilling.discard(request_id)
@@ -231,6 +238,9 @@ class RequestLog:
                 rec = self._recent.get(request_id)
                 return rec.timing(end) if rec is not None else {}
             rec.status, rec.end = status, end
+            rec.spec_acceptance = spec_acceptance
+            if token_times:
+                rec.max_burst_tokens = max(Counter(token_times).values())
             if len(token_times) >= 2:
                 rec.mean_itl_ms = round((token_times[-1] - token_times[0]) / (len(token_times) - 1) * 1000.0, 3)
             self._recent[request_id] = rec

@@ -1,0 +1,44 @@
+"""The `auto` speculation policy (engine/speculation.py): on while it pays, off when it loses,
+re-measured by probes; modes on and off never move."""
+
+from __future__ import annotations
+
+from magnitude.engine.speculation import SpeculationPolicy
+
+
+def _run(policy: SpeculationPolicy, steps: int, on_s: float, off_s: float, tokens_on: float) -> list[bool]:
+    """Decode steps of 4 sequences: step time and tokens per sequence depend on the state."""
+    states = []
+    for _ in range(steps):
+        if policy.enabled:
+            states.append(policy.observe(on_s, 4, round(4 * tokens_on), prefill=False))
+        else:
+            states.append(policy.observe(off_s, 4, 4, prefill=False))
+    return states
+
+
+def test_high_acceptance_keeps_speculation_on_after_measuring_off_once() -> None:
+    p = SpeculationPolicy("auto", min_samples=4, probe_every=50)
+    states = _run(p, 40, on_s=0.012, off_s=0.010, tokens_on=2.5)
+    assert p.enabled and p.gain() is not None and p.gain() > 2
+    assert states.count(False) == 4  # exactly the off measurement
+
+
+def test_low_acceptance_turns_it_off_and_probes_bring_it_back_only_when_it_pays() -> None:
+    p = SpeculationPolicy("auto", min_samples=4, probe_every=30)
+    _run(p, 20, on_s=0.012, off_s=0.010, tokens_on=1.0)
+    assert not p.enabled and p.gain() < 1
+    states = _run(p, 60, on_s=0.012, off_s=0.010, tokens_on=1.0)
+    assert states.count(True) > 0  # it probed
+    assert not p.enabled
+    # The workload turns copy-heavy: the next probe finds the gain and stays on.
+    _run(p, 80, on_s=0.012, off_s=0.010, tokens_on=3.0)
+    assert p.enabled
+
+
+def test_fixed_modes_and_prefill_steps_do_not_move_it() -> None:
+    for mode, expected in (("on", True), ("off", False)):
+        p = SpeculationPolicy(mode, min_samples=1)
+        assert _run(p, 20, on_s=1.0, off_s=0.001, tokens_on=1.0 if expected else 5.0) == [expected] * 20
+    p = SpeculationPolicy("auto", min_samples=2)
+    assert all(p.observe(5.0, 4, 4, prefill=True) for _ in range(20)) and p.gain() is None
