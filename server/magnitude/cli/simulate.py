@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.sets)
+    if config.draft_model is not None:
+        # Refused rather than replayed as if every draft were rejected: the cost model has no speculation yet.
+        raise UsageError("draftModel: the simulator does not model speculation yet; remove draftModel from the config")
     try:
         cost = load_cost_model(args.cost_model, config.kv_cache.block_size)
         records = load_trace(args.trace)
