@@ -229,10 +229,13 @@ def test_queued_positions_count_down_to_the_head() -> None:
 
     config = sim_config(scheduler__max_sequences=1)
     with serve(simulated(config, cost=lambda plan: 0.01), config) as s:
-        body = {"model": "simulated", "messages": [{"role": "user", "content": "a"}], "max_tokens": 8, "stream": True,
+        body = {"model": "simulated", "messages": [{"role": "user", "content": "a"}], "max_tokens": 40, "stream": True,
                 "stream_options": {"include_progress": True}}
 
-        async def one(client: httpx.AsyncClient) -> list[int]:
+        async def one(client: httpx.AsyncClient, i: int) -> list[int]:
+            # Staggered: the queue orders by HTTP arrival, so a request that arrived first but
+            # finished its preparation last would rightly move ahead of one already queued.
+            await asyncio.sleep(0.05 * i)
             got = []
             async with client.stream("POST", s.v1 + "/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
@@ -242,7 +245,7 @@ def test_queued_positions_count_down_to_the_head() -> None:
 
         async def main() -> list[list[int]]:
             async with httpx.AsyncClient(timeout=30) as client:
-                return await asyncio.gather(*(one(client) for _ in range(4)))
+                return await asyncio.gather(*(one(client, i) for i in range(4)))
 
         runs = asyncio.run(main())
     assert all(r == sorted(r, reverse=True) and len(set(r)) == len(r) for r in runs), runs  # only ever moves up
