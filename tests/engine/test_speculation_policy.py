@@ -3,6 +3,8 @@ re-measured by probes; modes on and off never move."""
 
 from __future__ import annotations
 
+import pytest
+
 from magnitude.engine.speculation import SpeculationPolicy
 
 
@@ -11,9 +13,9 @@ def _run(policy: SpeculationPolicy, steps: int, on_s: float, off_s: float, token
     states = []
     for _ in range(steps):
         if policy.enabled:
-            states.append(policy.observe(on_s, 4, round(4 * tokens_on), prefill=False))
+            states.append(policy.observe(on_s, 4, round(4 * tokens_on), prefill=False, drafted=True))
         else:
-            states.append(policy.observe(off_s, 4, 4, prefill=False))
+            states.append(policy.observe(off_s, 4, 4, prefill=False, drafted=False))
     return states
 
 
@@ -41,4 +43,16 @@ def test_fixed_modes_and_prefill_steps_do_not_move_it() -> None:
         p = SpeculationPolicy(mode, min_samples=1)
         assert _run(p, 20, on_s=1.0, off_s=0.001, tokens_on=1.0 if expected else 5.0) == [expected] * 20
     p = SpeculationPolicy("auto", min_samples=2)
-    assert all(p.observe(5.0, 4, 4, prefill=True) for _ in range(20)) and p.gain() is None
+    assert all(p.observe(5.0, 4, 4, prefill=True, drafted=True) for _ in range(20)) and p.gain() is None
+
+
+def test_steps_without_drafts_measure_off_while_it_stays_on() -> None:
+    """Prompt lookup proposing nothing costs a plain step: no need to switch off to measure it."""
+    p = SpeculationPolicy("auto", min_samples=4)
+    for _ in range(10):
+        assert p.observe(0.010, 1, 1, prefill=False, drafted=False)  # plain steps, no switch
+        assert p.observe(0.020, 1, 4, prefill=False, drafted=True)  # 4 tokens for twice the time
+    assert p.enabled and p.gain() == pytest.approx(2.0)
+    for _ in range(10):
+        p.observe(0.020, 1, 1, prefill=False, drafted=True)  # drafts now all rejected
+    assert not p.enabled

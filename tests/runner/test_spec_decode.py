@@ -75,7 +75,8 @@ def _greedy() -> SamplingParams:
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_prompt_lookup_greedy_matches_hf_under_chunking_and_preemption(runner, prompt_ids, hf_reference, mode):
-    with _proposer(runner, NgramProposer()):
+    # Unigram matches: the short generic prompts then get drafts, most of them rejected.
+    with _proposer(runner, NgramProposer(min_ngram=1)):
         sched, outputs, reqs, _ = _drive(
             runner, prompt_ids, _greedy(), *SPEC,
             f"scheduler.preemptionMode={mode}", "scheduler.prefillChunkSize=16", "scheduler.tokenBudget=64",
@@ -89,7 +90,7 @@ def test_prompt_lookup_greedy_matches_hf_under_chunking_and_preemption(runner, p
 
 
 def test_prompt_lookup_cancellation_frees_blocks_and_keeps_the_others(runner, prompt_ids, hf_reference):
-    with _proposer(runner, NgramProposer()):
+    with _proposer(runner, NgramProposer(min_ngram=1)):
         _, outputs, reqs, _ = _drive(runner, prompt_ids, _greedy(), *SPEC, "scheduler.prefillChunkSize=16",
                                      cancel=("r2", 4))
     assert reqs["r2"].status.name == "CANCELLED"
@@ -97,6 +98,7 @@ def test_prompt_lookup_cancellation_frees_blocks_and_keeps_the_others(runner, pr
         if i != 2:
             assert outputs[f"r{i}"] == _without_eos(ref, runner.eos_token_ids)
     assert outputs["r2"] == hf_reference[2][: len(outputs["r2"])]
+    assert sum(r.spec_proposed for r in reqs.values()) > 0
 
 
 def test_prompt_lookup_on_a_copy_heavy_prompt_accepts_most_drafts(runner):
@@ -129,3 +131,15 @@ def test_penalised_requests_get_no_lookahead_and_no_drafts(runner, prompt_ids, h
     with _proposer(runner, NgramProposer()):
         _, _, reqs, _ = _drive(runner, prompt_ids[:2], sampling, *SPEC)
     assert all(r.num_lookahead == 0 and r.spec_proposed == 0 for r in reqs.values())
+
+
+class _Broken:
+    def propose(self, seq, k):
+        raise RuntimeError("proposer bug")
+
+
+def test_a_failing_proposer_costs_the_drafts_not_the_request(runner, prompt_ids, hf_reference):
+    with _proposer(runner, _Broken()):
+        _, outputs, reqs, _ = _drive(runner, prompt_ids[:2], _greedy(), *SPEC)
+    assert outputs == {f"r{i}": _without_eos(hf_reference[i], runner.eos_token_ids) for i in range(2)}
+    assert all(r.spec_proposed == 0 for r in reqs.values())

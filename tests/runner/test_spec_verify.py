@@ -93,3 +93,15 @@ def test_sampler_verify_is_seed_reproducible_and_equals_plain_seeded_draws():
 def test_greedy_rule_keeps_the_matching_prefix_plus_one():
     assert accept_drafts([3, 4, 5, 6], [3, 4, 5]) == [3, 4, 5, 6]
     assert accept_drafts([3, 9, 5, 6], [3, 4, 5]) == [3, 9]
+
+
+def test_prompt_lookup_copies_what_followed_the_latest_longest_match():
+    from magnitude.runner.spec_decode import propose_ngram
+
+    #          0  1  2  3  4  5  6  7  8  9
+    context = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    assert propose_ngram(context, 2) == [9, 2]  # "6 7" last seen at 5..6, followed by 9, 2
+    assert propose_ngram([5, 6, 7, 8, 6, 7, 9, 5, 6, 7], 3) == [8, 6, 7]  # "5 6 7" (n = 3) beats the later "6 7"
+    assert propose_ngram(context, 10) == [9, 2, 6, 7]  # cut at the end of the context
+    assert propose_ngram([1, 2, 3, 4], 4) == []  # no repeated bigram: no drafts
+    assert propose_ngram([1, 2, 3, 2], 4, min_ngram=1) == [3, 2]  # unigrams only when asked

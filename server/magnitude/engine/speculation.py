@@ -1,15 +1,16 @@
 """The `auto` speculation policy: keep drafting only while it pays (pure; no I/O, no framework).
 
 It watches decode steps (steps that carry no prefill chunk, so their cost is comparable) and
-keeps two measurements: the step time with speculation off, and with it on together with the
-tokens each sequence gains per step (1 + accepted drafts). Speculation pays when
+keeps two measurements: the time of a step whose decodes carried drafts, with the tokens each
+sequence gained in it (1 + accepted drafts), and the time of a step without drafts — speculation
+off, or prompt lookup found nothing to propose: such a step costs what an "off" step costs, so
+it is measured while speculation is on too. Speculation pays when
 
-    tokens_per_step_on / step_s_on  >  1 / step_s_off      (decode tokens per second per sequence)
+    tokens_per_drafted_step / drafted_step_s  >  1 / plain_step_s   (decode tokens per second per sequence)
 
-Starting on, it measures `min_samples` steps in each state, then keeps the better one; the state
-it left is re-measured every `probe_every` steps (acceptance changes with the workload). Switching
-off needs the off rate to beat the on rate by `margin`, and back on the reverse, so noise does not
-flap it. Modes `on` and `off` never change the state.
+Starting on, it switches off when the measured gain falls below 1; while off it probes "on" again
+every `probe_every` steps (acceptance changes with the workload: only drafting measures it) and
+stays on if the gain exceeds 1 + `margin`. Modes `on` and `off` never change the state.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class SpeculationPolicy:
     """Decides, step by step, whether the scheduler gives decodes their lookahead."""
 
     mode: Mode = "auto"
-    min_samples: int = 8
-    probe_every: int = 200
+    min_samples: int = 6
+    probe_every: int = 50  # steps off before "on" is measured again
     margin: float = 0.05
     alpha: float = 0.2
     enabled: bool = field(init=False)
@@ -44,38 +45,41 @@ class SpeculationPolicy:
     _on_tokens: _Ema = field(init=False, default_factory=_Ema)
     _off_step: _Ema = field(init=False, default_factory=_Ema)
     _since_switch: int = field(init=False, default=0)
-    _probing: bool = field(init=False, default=False)  # measuring the state it left; back unless it now wins
 
     def __post_init__(self) -> None:
         self.enabled = self.mode != "off"
 
-    def observe(self, step_s: float, num_decodes: int, num_tokens: int, prefill: bool) -> bool:
+    def observe(self, step_s: float, num_decodes: int, num_tokens: int, prefill: bool, drafted: bool) -> bool:
         """One finished step: its duration, how many sequences decoded, how many tokens they got,
-        whether it also computed prefill. Returns whether speculation should be on next step."""
+        whether it also computed prefill, whether any decode carried drafts. Returns whether
+        speculation should be on next step."""
         if self.mode != "auto":
             return self.enabled
         self._since_switch += 1
         if prefill or num_decodes <= 0 or step_s <= 0:
             return self.enabled
-        if self.enabled:
+        # A step without drafts costs what a step with speculation off costs, whatever the state
+        # (prompt lookup found no match): it measures "off" for free; only drafted steps measure "on".
+        if drafted:
             self._on_step.add(step_s, self.alpha)
             self._on_tokens.add(num_tokens / num_decodes, self.alpha)
         else:
             self._off_step.add(step_s, self.alpha)
-        measured = (self._on_step if self.enabled else self._off_step).samples
-        if measured < self.min_samples:
-            return self.enabled
-        if self._off_step.value is None or self._on_step.value is None:
-            self._switch()  # the other state has never been measured
-            return self.enabled
         gain = self.gain()
-        assert gain is not None
-        if self.enabled and gain < 1 - self.margin or not self.enabled and gain > 1 + self.margin:
+        if gain is None:
+            if self.enabled and self._on_step.samples >= self.min_samples:
+                self._switch()  # "off" never measured (every step drafted): measure it
+            return self.enabled
+        if self.enabled and self._on_step.samples < self.min_samples:
+            return self.enabled  # just switched on: let acceptance be measured afresh
+        if not self.enabled and self._off_step.samples < self.min_samples:
+            return self.enabled
+        # Off as soon as it does not pay; on again only if it pays by `margin`: in doubt, off (a
+        # probe every probe_every steps costs little; staying on at a gain of 0.95 costs 5%).
+        if self.enabled and gain < 1.0 or not self.enabled and gain > 1 + self.margin:
             self._switch()
-        elif self._probing:
-            self._probing = False  # the probe confirmed the current state
-        elif self._since_switch >= self.probe_every:
-            self._switch(probe=True)
+        elif not self.enabled and self._since_switch >= self.probe_every:
+            self._switch()  # acceptance can only be measured by drafting: probe "on" again
         return self.enabled
 
     def gain(self) -> float | None:
@@ -84,11 +88,10 @@ class SpeculationPolicy:
             return None
         return (self._on_tokens.value / self._on_step.value) * self._off_step.value
 
-    def _switch(self, probe: bool = False) -> None:
+    def _switch(self) -> None:
         self.enabled = not self.enabled
         self._since_switch = 0
-        self._probing = probe
-        # Fresh samples for the state entered: the workload may have changed since it was left.
+        # Fresh sample counts for the state entered: the workload may have changed since it was left.
         if self.enabled:
             self._on_step, self._on_tokens = _Ema(self._on_step.value), _Ema(self._on_tokens.value)
         else:

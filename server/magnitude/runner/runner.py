@@ -211,8 +211,13 @@ class ModelRunner:
         if (not (s.sample and s.num_lookahead > 0 and self.draft_proposer is not None) or s.sampling.adjusts_logits
                 or s.sampling.constraint is not None):
             return []
+        try:
+            proposed = list(self.draft_proposer.propose(s, s.num_lookahead))[: s.num_lookahead]
+        except Exception as exc:  # noqa: BLE001 - a failing proposer costs the speedup, not the request
+            log.warning("draft proposer failed for %s (decoding without drafts): %s", s.request_id, exc)
+            return []
         drafts: list[int] = []
-        for t in list(self.draft_proposer.propose(s, s.num_lookahead))[: s.num_lookahead]:
+        for t in proposed:
             if not 0 <= t < self.vocab_size:
                 break  # a bad draft ends the proposal; later ones would sit at wrong positions
             drafts.append(int(t))
@@ -301,8 +306,6 @@ class ModelRunner:
         for i, w in enumerate(samplers):
             if first[i] is None:
                 continue  # failed alone, in out.failed
-            if w.drafts:
-                out.num_drafts[w.seq.request_id] = len(w.drafts)
             if not w.drafts:
                 try:
                     advance_constraint(w.seq.sampling, first[i].token_id)
@@ -311,6 +314,7 @@ class ModelRunner:
                     continue
                 out.sampled[w.seq.request_id] = [first[i]]
                 continue
+            out.num_drafts[w.seq.request_id] = len(w.drafts)
             block = logits[first_rows[i] : first_rows[i] + len(w.drafts) + 1]
             try:
                 if w.seq.sampling.greedy:

@@ -506,7 +506,8 @@ class AsyncEngine:
             if proposed and tr is not None:
                 self.metrics.observe_speculation(tr.spec.priority_class, self.spec_method, proposed, len(sampled) - 1)
         was = self.speculation.enabled
-        on = self.speculation.observe(stats.duration_s, decodes, tokens, prefill=stats.num_prefill_tokens > 0)
+        on = self.speculation.observe(stats.duration_s, decodes, tokens, prefill=stats.num_prefill_tokens > 0,
+                                      drafted=bool(output.num_drafts))
         if on != was:
             log.info("speculation %s (auto: measured gain %s)", "on" if on else "off", self.speculation.gain())
             self.loop.scheduler.set_speculation(on)
