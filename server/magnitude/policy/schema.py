@@ -149,7 +149,10 @@ class KVCachePolicy(PolicyModel):
         default=None, ge=1, le=10_000_000, description="Device blocks; null sizes the cache from memoryFraction."
     )
     memory_fraction: float = Field(
-        default=0.9, gt=0.0, le=1.0, description="Share of free accelerator memory for weights and KV cache."
+        default=0.9, gt=0.0, le=1.0,
+        description="With numBlocks null: the share of the device's available memory (GPU: free memory; CPU: "
+        "MemAvailable, capped by the container's memory limit) plus the weights that weights, activations "
+        "(a tenth of the weights) and the KV cache may use together.",
     )
     swap_blocks: int = Field(default=0, ge=0, le=10_000_000, description="Host blocks for swap preemption.")
     enable_prefix_caching: bool = Field(default=True, description="Reuse full blocks of identical prefixes.")
