@@ -65,6 +65,40 @@ def test_fairness_does_not_cross_levels() -> None:
     assert q.peek(1.0, tenant_order=lambda t: (0 if t == "quiet" else 9, 0)).request_id == "heavy-int"
 
 
+def test_fair_work_ahead_counts_better_levels_and_the_tenants_turn() -> None:
+    q = RequestQueue(aging_seconds=None)
+    for i in range(10):
+        queued(q, f"noisy-{i}", 1, float(i), tenant="noisy")  # 4 tokens each (prompt 4, output 1)
+    queued(q, "urgent", 0, 0.0, tenant="other")
+    queued(q, "worse", 2, 0.0, tenant="other")
+    running = {"noisy": 5, "quiet": 0}
+    share = lambda t: (running.get(t, 0), 1.0)  # noqa: E731
+    # The quiet tenant runs nothing: only the better level is ahead of it, not the noisy backlog.
+    assert q.fair_work_ahead("quiet", 1, share) == 4
+    # The noisy tenant's next request waits behind its own ten and the better level.
+    assert q.fair_work_ahead("noisy", 1, share) == 44
+    # With the quiet tenant at 7 running, noisy gets two turns (5 -> 7) first.
+    running["quiet"] = 7
+    assert q.fair_work_ahead("quiet", 1, share) == 4 + 2 * 4
+    # A weight of 2 for noisy doubles its turns: 7 running per weight 1 is 14 for weight 2 (5 -> 14).
+    assert q.fair_work_ahead("quiet", 1, lambda t: (running.get(t, 0), 2.0 if t == "noisy" else 1.0)) == 4 + 9 * 4
+    # Without fairness the whole level goes first.
+    q.fairness = False
+    assert q.fair_work_ahead("quiet", 1, share) == 44
+    for r in list(q):
+        q.remove(r)
+    assert q.fair_work_ahead("quiet", 1, share) == 0
+
+
+def test_estimated_wait_reads_the_fair_work_ahead() -> None:
+    r = make_request("r", 4, 100)
+    r.priority_class = "standard"
+    policy = AdmissionPolicy.model_validate({"maxQueueWaitSeconds": 30})
+    backlog = view(queued_tokens=400, drain_tokens_per_s=10.0)
+    assert check_admission(r, backlog, policy, 0.0).reason == "estimated_wait"
+    assert check_admission(r, view(queued_tokens=400, drain_tokens_per_s=10.0, ahead_tokens=20), policy, 0.0).accepted
+
+
 def test_removed_requests_leave_the_counts_at_once() -> None:
     q = RequestQueue(aging_seconds=None)
     a = queued(q, "a", 1, 0.0)

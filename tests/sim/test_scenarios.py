@@ -14,8 +14,9 @@ from magnitude.sim.simulate import simulate
 KNOWN_REJECT_REASONS = {"queue_full", "queue_tokens_full", "tenant_queue_share", "estimated_wait"}
 
 
-def run(name: str, **options) -> dict:
-    report = build_report(simulate(generate(name, ScenarioOptions(**options)), resolve_config(), LinearCost()))
+def run(name: str, *sets: str, **options) -> dict:
+    config = resolve_config(None, list(sets))
+    report = build_report(simulate(generate(name, ScenarioOptions(**options)), config, LinearCost()))
     assert all(r["status"] in ("finished", "rejected", "cancelled", "timed_out") for r in report["requests"])
     assert report["steps"][-1]["kv_used_blocks"] == 0
     return report
@@ -40,6 +41,18 @@ def test_tenants_the_quiet_tenant_progresses() -> None:
     assert quiet["rejected"] == 0 and quiet["finished"] == quiet["requests"]
     assert quiet["queue_time"]["p90"] < heavy["queue_time"]["p50"] / 10
     assert heavy["rejected"] > 0
+
+
+def test_noisy_tenant_over_capacity_does_not_get_the_quiet_one_rejected() -> None:
+    # A short maxQueueWaitSeconds makes estimated_wait the binding bound (the default's tenant share
+    # bound binds first). Estimated from the global backlog, about half the quiet tenant's requests
+    # were refused; from the fair order, none is, and the noisy tenant still is.
+    r = run("noisy-tenant", "admission.maxQueueWaitSeconds=2")
+    noisy, quiet = r["tenants"]["noisy"], r["tenants"]["quiet"]
+    assert quiet["requests"] >= 20 and quiet["rejected"] == 0 and quiet["finished"] == quiet["requests"]
+    assert quiet["queue_time"]["max"] < 1.0  # fair share serves it within a second
+    assert noisy["rejected"] > noisy["requests"] / 4
+    assert {x["reason"] for x in r["requests"] if x["status"] == "rejected"} == {"estimated_wait"}
 
 
 def test_disconnects_reclaim_state_at_once() -> None:

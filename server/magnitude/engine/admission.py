@@ -4,7 +4,11 @@ A bounded queue fails fast instead of queueing forever. Checks, in order: known 
 load shedding, length, KV capacity, deadline, then the queue bounds (requests, estimated
 tokens, estimated wait from the measured drain rate). Bounds are fair: once the queue is more
 than half full, one tenant may hold at most `maxTenantQueueShare` of it, so a heavy tenant
-cannot get a quiet tenant's requests rejected. Pure function of its inputs: no I/O, no clock.
+cannot get a quiet tenant's requests rejected; and the estimated wait counts only the work the
+fair order would admit before this request (better levels, then its tenant's turn among the
+tenants at its level: `RequestQueue.fair_work_ahead`), not the whole backlog, so a quiet tenant
+behind a flooding one is not refused a wait it would not have. Pure function of its inputs: no
+I/O, no clock.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class QueueView:
     max_model_len: int | None
     drain_tokens_per_s: float | None  # measured service rate; None until observed
     min_request_seconds: float | None  # a lower bound on the request's own service time
+    ahead_tokens: int | None = None  # queued work the fair order admits first; None: all of it
 
 
 def _retry_after(excess_tokens: float, view: QueueView) -> float:
@@ -83,7 +88,8 @@ def check_admission(request: Request, view: QueueView, policy: AdmissionPolicy, 
             False, "queue_tokens_full", _retry_after(view.queued_tokens + demand - policy.max_queued_tokens, view)
         )
     if view.drain_tokens_per_s:
-        wait = view.queued_tokens / view.drain_tokens_per_s
+        ahead = view.queued_tokens if view.ahead_tokens is None else view.ahead_tokens
+        wait = ahead / view.drain_tokens_per_s
         if wait > policy.max_queue_wait_seconds:
             return AdmissionDecision(
                 False,

@@ -52,6 +52,15 @@ class _TenantQueue:
     heap: list[tuple[QueueKey, Request]] = field(default_factory=list)
     num_requests: int = 0
     num_tokens: int = 0
+    # priority level -> [queued requests, queued tokens]: what admission's fair wait estimate reads
+    by_priority: dict[int, list[int]] = field(default_factory=dict)
+
+    def count(self, priority: int, requests: int, tokens: int) -> None:
+        figures = self.by_priority.setdefault(priority, [0, 0])
+        figures[0] += requests
+        figures[1] += tokens
+        if figures[0] == 0:
+            del self.by_priority[priority]
 
 
 class RequestQueue:
@@ -83,6 +92,7 @@ class RequestQueue:
         work = request.remaining_work_tokens
         tq.num_requests += 1
         tq.num_tokens += work
+        tq.count(request.priority, 1, work)
         self.num_requests += 1
         self.num_tokens += work
 
@@ -94,6 +104,7 @@ class RequestQueue:
         work = request.remaining_work_tokens
         tq.num_requests -= 1
         tq.num_tokens -= work
+        tq.count(request.priority, -1, -work)
         self.num_requests -= 1
         self.num_tokens -= work
         request.queue_seq = -1
@@ -157,6 +168,42 @@ class RequestQueue:
         """(queued requests, queued tokens) of one tenant."""
         tq = self._tenants.get(tenant)
         return (tq.num_requests, tq.num_tokens) if tq else (0, 0)
+
+    def fair_work_ahead(
+        self,
+        tenant: str,
+        priority: int,
+        tenant_share: Callable[[str], tuple[int, float]] | None = None,
+    ) -> int:
+        """Queued work (tokens) that the fair order would admit before a request of `tenant` at
+        `priority` that arrives now; `tenant_share(t)` gives (running sequences, weight).
+
+        Every request at a better level goes first. At the same level, tenants take turns by
+        running sequences per weight (as `peek` with the scheduler's tenant order does): the new
+        request is its tenant's k-th there (k-1 queued before it, FIFO within a tenant), and
+        another tenant gets admitted about as many requests as keep its running-per-weight at
+        ours by then, at its mean queued request size. Without fairness (or a share function) the
+        whole level goes first. Aging is left out: a worse level that would age past the new
+        request counts as behind it. O(tenants x levels), independent of the queue length."""
+        own = self._tenants.get(tenant)
+        own_level = own.by_priority.get(priority, (0, 0)) if own is not None else (0, 0)
+        fair = self.fairness and tenant_share is not None
+        if fair:
+            own_running, own_weight = tenant_share(tenant)
+            turns = own_running + own_level[0]  # our running count when the new request's turn comes
+        ahead = 0
+        for name, tq in self._tenants.items():
+            for level, (n, tokens) in tq.by_priority.items():
+                if level < priority:
+                    ahead += tokens
+                elif level == priority and name != tenant:
+                    if not fair:
+                        ahead += tokens
+                        continue
+                    running, weight = tenant_share(name)
+                    served = min(n, max(0, math.ceil(turns * weight / own_weight) - running))
+                    ahead += round(tokens * served / n)
+        return ahead + own_level[1]
 
     @property
     def num_tenants(self) -> int:

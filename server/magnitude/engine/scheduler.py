@@ -123,10 +123,9 @@ class Scheduler:
             request.tenant = "default"
         if request.output_estimate is None:
             request.output_estimate = self.expected_output_tokens()
-        sampling = request.sampling
-        # Rows whose logits are adjusted get no drafts from the runner: budget no lookahead for them.
-        if (self.num_speculative_tokens and not request.num_lookahead and not sampling.adjusts_logits
-                and sampling.constraint is None):
+        # Penalties, logit_bias and grammars draft too (the runner verifies each position as a
+        # plain step would see it): every request gets the lookahead.
+        if self.num_speculative_tokens and not request.num_lookahead:
             request.num_lookahead = self.num_speculative_tokens
 
     def expected_output_tokens(self) -> int:
@@ -159,6 +158,7 @@ class Scheduler:
             max_model_len=self.max_model_len,
             drain_tokens_per_s=self._drain,
             min_request_seconds=self._min_service_seconds(request),
+            ahead_tokens=self.queue.fair_work_ahead(request.tenant, request.priority, self._tenant_share),
         )
         return check_admission(request, view, self.config.admission, now)
 
@@ -510,6 +510,13 @@ class Scheduler:
 
     def _tenant_token_room(self, step: _Step, tenant: str) -> int:
         return self._caps(tenant)[1] - step.tenant_tokens.get(tenant, 0)
+
+    def _tenant_share(self, tenant: str) -> tuple[int, float]:
+        """(running sequences, fair-share weight): what `_tenant_order` ranks tenants by. Admission
+        asks this of tenants that may be rejected: their caps are not cached (client-chosen names)."""
+        caps = self._tenant_caps.get(tenant)
+        weight = caps[2] if caps is not None else self.policy.quota_of(tenant).weight
+        return self._running_by_tenant.get(tenant, 0), weight
 
     def _tenant_order(self, tenant: str) -> tuple[float, int]:
         return (

@@ -71,6 +71,18 @@ def tenants(o: ScenarioOptions) -> list[TraceRecord]:
     return recs
 
 
+def noisy_tenant(o: ScenarioOptions) -> list[TraceRecord]:
+    """A noisy tenant arriving at about three times the service rate and a quiet one at about one
+    request a second: the noisy one is rejected, the quiet one never is (its fair share serves it)."""
+    rng = random.Random(o.seed)
+    duration = o.duration or 30.0
+    recs = [_chat(rng, f"noisy-{i}", t, tenant="noisy")
+            for i, t in enumerate(_poisson_arrivals(rng, o.rate or 30.0, o.n, duration))]
+    recs += [_chat(rng, f"quiet-{i}", t, tenant="quiet")
+             for i, t in enumerate(_poisson_arrivals(rng, 1.0, None, duration))]
+    return sorted(recs, key=lambda r: r.arrival)
+
+
 def disconnects(o: ScenarioOptions) -> list[TraceRecord]:
     """A third of the clients disconnect during decode: their KV is reclaimed at once."""
     rng = random.Random(o.seed)
@@ -125,6 +137,7 @@ def mixed(o: ScenarioOptions) -> list[TraceRecord]:
 SCENARIOS: dict[str, Callable[[ScenarioOptions], list[TraceRecord]]] = {
     "long-prompt": long_prompt,
     "tenants": tenants,
+    "noisy-tenant": noisy_tenant,
     "disconnects": disconnects,
     "burst": burst,
     "overload": overload,
