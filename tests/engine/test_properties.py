@@ -15,6 +15,7 @@ from magnitude.engine.request import Request, RequestStatus
 from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.load import resolve_config
+from magnitude.sim.cost import LinearCost
 
 TERMINAL_EVENTS = {"finish", "cancel", "reject", "timeout"}
 
@@ -27,13 +28,13 @@ def configs(draw, pressure: bool = False):
         f"scheduler.tokenBudget={budget}",
         f"scheduler.prefillChunkSize={draw(st.integers(1, budget))}",
         f"scheduler.maxSequences={draw(st.integers(6 if pressure else 1, 12))}",
-        f"scheduler.preemptionMode={draw(st.sampled_from(['recompute', 'swap']))}",
+        f"scheduler.preemptionMode={(mode := draw(st.sampled_from(['recompute', 'swap', 'auto'])))}",
         f"scheduler.agingSecondsPerLevel={draw(st.sampled_from(['null', '1', '5']))}",
         f"scheduler.tenantFairness={draw(st.booleans())}",
         f"scheduler.maxLookaheadTokens={draw(st.integers(0, 2))}",
         f"kvCache.blockSize={block}",
         f"kvCache.numBlocks={draw(st.integers(50 // block + 1, (64 if pressure else 100) // block))}",
-        f"kvCache.swapBlocks={draw(st.integers(0, 24))}",
+        f"kvCache.swapBlocks={draw(st.integers(1 if mode == 'swap' else 0, 24))}",  # swap needs host space
         f"admission.maxQueuedRequests={64 if pressure else draw(st.sampled_from([3, 64]))}",
     ]
     if draw(st.booleans()):
@@ -108,8 +109,12 @@ def test_invariants_hold_under_memory_pressure(config, specs) -> None:
     run_and_check(config, specs, eos_every=0, fail_every=0)
 
 
+# auto's cost model: swapping a block out and back costs about what recomputing it does, so victims go both ways.
+AUTO_COST = LinearCost(per_prefill_token=0.000035, per_swap_token=0.00001)
+
+
 def run_and_check(config, specs, eos_every: int, fail_every: int) -> None:
-    s = Scheduler(config)
+    s = Scheduler(config, cost_model=AUTO_COST)
     sp = config.scheduler
     reqs = {f"r{i}": make(i, spec) for i, spec in enumerate(specs)}
     cancel_at = {f"r{i}": spec["arrival"] + spec["cancel"] for i, spec in enumerate(specs) if spec["cancel"] is not None}

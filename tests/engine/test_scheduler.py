@@ -3,11 +3,16 @@ stop conditions, runner failures, events."""
 
 from __future__ import annotations
 
+import pytest
+
 from sched_helpers import fake_output, make_request, make_scheduler, shape
 
 from magnitude.engine.output import RunnerOutput, SampledToken
 from magnitude.engine.request import RequestStatus
 from magnitude.engine.sampling import SamplingParams
+from magnitude.engine.scheduler import Scheduler
+from magnitude.policy.load import ConfigError, resolve_config
+from magnitude.sim.cost import LinearCost
 
 
 def step(s, t: float, dt: float = 1.0, token: int = 7):
@@ -92,6 +97,53 @@ def test_swap_falls_back_to_recompute_when_host_space_is_full() -> None:
         t += 1.0
     assert ("b", "recompute", "kv_blocks+swap_space_full") in preempted
     assert b.status is RequestStatus.FINISHED and b.num_output_tokens == 12
+
+
+def _auto_run(cost, swap_blocks: int = 12) -> tuple[list, list]:
+    s = Scheduler(resolve_config(None, ["scheduler.tokenBudget=32", "scheduler.preemptionMode=auto",
+                                        "kvCache.blockSize=2", "kvCache.numBlocks=12",
+                                        f"kvCache.swapBlocks={swap_blocks}"]), cost_model=cost)
+    a, b = make_request("a", 8, 12), make_request("b", 8, 12, arrival=0.5)
+    s.add_request(a, 0)
+    s.add_request(b, 0.5)
+    t, preempted = 0.0, []
+    while s.has_work():
+        plan, _ = step(s, t)
+        preempted += plan.preempted
+        t += 1.0
+        s.kv.check_invariants()
+    assert a.status is b.status is RequestStatus.FINISHED and b.num_output_tokens == 12
+    return preempted, [e for e in s.drain_events() if e.kind == "preempt"]
+
+
+def test_auto_preemption_swaps_when_the_copy_is_cheaper_and_logs_both_figures() -> None:
+    # Recompute: 1 ms a prefill token; swap: 0.01 ms a token moved (each way).
+    preempted, events = _auto_run(LinearCost(base=0.01, per_prefill_token=0.001, per_swap_token=0.00001))
+    assert preempted and all(mode == "swap" for _, mode, _ in preempted)
+    ev = events[0]
+    assert ev.detail["mode"] == "swap" and ev.detail["auto"] == "swap_cheaper"
+    computed, blocks = ev.detail["computed_tokens"], ev.detail["blocks"]
+    assert ev.detail["recompute_s"] == pytest.approx(0.001 * computed)
+    assert ev.detail["swap_s"] == pytest.approx(0.00001 * 2 * blocks * 2)
+
+
+def test_auto_preemption_recomputes_when_recompute_is_cheaper_or_host_space_is_short() -> None:
+    slow_copy = LinearCost(base=0.01, per_prefill_token=0.00001, per_swap_token=0.001)
+    preempted, events = _auto_run(slow_copy)
+    assert preempted and all(mode == "recompute" for _, mode, _ in preempted)
+    assert events[0].detail["auto"] == "recompute_cheaper"
+    assert events[0].detail["swap_s"] > events[0].detail["recompute_s"]
+    fast_copy = LinearCost(base=0.01, per_prefill_token=0.001, per_swap_token=0.00001)
+    preempted, events = _auto_run(fast_copy, swap_blocks=0)  # auto with no host space is allowed: it recomputes
+    assert preempted and all(mode == "recompute" for _, mode, _ in preempted)
+    assert events[0].detail["auto"] == "swap_space_full"
+
+
+def test_auto_preemption_needs_a_cost_model_and_swap_needs_swap_blocks() -> None:
+    with pytest.raises(ValueError, match="preemptionMode auto"):
+        make_scheduler("scheduler.preemptionMode=auto")
+    with pytest.raises(ConfigError, match=r"scheduler.preemptionMode swap.*kvCache.swapBlocks is 0"):
+        resolve_config(None, ["scheduler.preemptionMode=swap"])
 
 
 def test_tenant_running_quota_caps_a_tenant() -> None:

@@ -108,6 +108,20 @@ def _derive_prefill_chunk(args: argparse.Namespace, config: Any) -> Any:
     return resolved
 
 
+def _preemption_cost_model(args: argparse.Namespace, config: Any) -> Any:
+    """The cost model `preemptionMode: auto` compares recompute and swap on; None for other modes.
+    The real runner needs a measured one: the built-in ones do not describe this machine."""
+    from magnitude.policy.load import ConfigError
+    from magnitude.sim.cost import load_cost_model
+
+    if config.scheduler.preemption_mode != "auto":
+        return None
+    if args.runner == "real" and args.cost_model in ("unit", "linear"):
+        raise ConfigError("scheduler.preemptionMode auto compares recompute and swap on a measured cost model: "
+                          "run `magnitude profile --out cost.json` on this hardware and pass --cost-model cost.json")
+    return load_cost_model(args.cost_model, config.kv_cache.block_size)
+
+
 def _apply_speculation(args: argparse.Namespace, config: Any) -> Any:
     """The config's draftModel with --draft-model, --num-speculative-tokens and --speculation
     applied; anything the engine cannot run is refused by name (ConfigError: exit 2)."""
@@ -221,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
         config = _derive_prefill_chunk(args, config)
         config = _apply_speculation(args, config)
+        preemption_cost = _preemption_cost_model(args, config)
         load_runner = _runner_factory(args, config)
     except (ConfigError, CostModelError) as exc:
         print(f"magnitude serve: {exc}", file=sys.stderr)
@@ -237,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(tenant_labels=config.tenant_labels, compat=compat,
                             service_version=os.environ.get("MAGNITUDE_SERVICE_VERSION", ""))
     request_log = RequestLog(time.monotonic, max_requests=args.timeline_ring_size, max_decisions=args.decision_ring_size)
-    engine = AsyncEngine(config, load_runner, metrics, request_log=request_log)
+    engine = AsyncEngine(config, load_runner, metrics, request_log=request_log, cost_model=preemption_cost)
     try:
         app = create_app(engine, metrics.registry, settings)
     except ConfigError as exc:  # the auth settings or the keys file (AuthConfigError)

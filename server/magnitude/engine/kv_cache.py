@@ -258,6 +258,11 @@ class KVCacheManager:
             self._host_free.extend(self._host_pending)
             self._host_pending.clear()
 
+    @property
+    def num_free_host_blocks(self) -> int:
+        """Host blocks a swap-out may take now (those read by this step's swap-ins are not yet free)."""
+        return len(self._host_free)
+
     def num_host_blocks(self, request: Request) -> int:
         return len(self.host_tables.get(request.request_id, ()))
 

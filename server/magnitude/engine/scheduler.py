@@ -12,7 +12,10 @@ so computed counts catch up. One `schedule(now)`:
    swapped requests come back, then waiting requests are admitted by aged priority with
    tenant fair share and quotas;
 4. when a block cannot be allocated, evictable cached blocks go first, then a victim is
-   preempted (worst effective priority, then latest arrival) by recompute or swap.
+   preempted (worst effective priority, then latest arrival) by recompute or swap; `auto`
+   chooses per victim by cost: recomputing its computed tokens on the cost model's prefill curve
+   against copying its blocks out and back at the cost model's swap rate (host space permitting),
+   and logs both figures with the choice.
 
 Every decision is a `SchedulerEvent` with a reason. The budgets are local countdowns checked
 by asserts at the end of the step. Pure: the caller passes `now`; no torch, no I/O, not
@@ -26,6 +29,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from magnitude.engine.admission import AdmissionDecision, QueueView, check_admission
 from magnitude.engine.events import EventKind, SchedulerEvent
@@ -45,6 +49,12 @@ _TERMINAL_EVENT: dict[RequestStatus, EventKind] = {
     RequestStatus.REJECTED: "reject",
     RequestStatus.TIMED_OUT: "timeout",
 }
+
+
+class StepCost(Protocol):
+    """What `preemptionMode: auto` needs of a cost model (sim/cost.py's models satisfy it)."""
+
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float: ...
 
 
 @dataclass(slots=True)
@@ -70,8 +80,12 @@ class Scheduler:
         num_swap_blocks: int | None = None,
         max_model_len: int | None = None,
         max_events: int = 100_000,
+        cost_model: StepCost | None = None,
     ):
         sp = config.scheduler
+        if sp.preemption_mode == "auto" and cost_model is None:
+            raise ValueError("scheduler.preemptionMode auto compares recompute and swap on a cost model: pass cost_model")
+        self.cost_model = cost_model
         self.config = config
         self.policy = sp
         self.token_budget = sp.token_budget
@@ -443,6 +457,9 @@ class Scheduler:
         self._running_by_tenant[req.tenant] -= 1
         req.num_preemptions += 1
         mode = self.policy.preemption_mode
+        figures: dict[str, object] = {}
+        if mode == "auto":
+            mode, figures = self._preemption_by_cost(req)
         if rid in step.swapped_in:
             # Its swap-in copy has not run yet, so its device blocks hold nothing to swap out: cancel the
             # copy and recompute (the runner copies out before in; swapping out would save garbage).
@@ -456,7 +473,7 @@ class Scheduler:
                 req.status = RequestStatus.SWAPPED
                 self.swapped.append(req)
                 step.plan.swap_out.extend(pairs)
-                self._record_preempt(step, req, "swap", reason, now)
+                self._record_preempt(step, req, "swap", reason, now, figures)
                 self._event(now, "swap_out", rid, reason, blocks=len(pairs))
                 return
             mode, reason = "recompute", f"{reason}+swap_space_full"
@@ -464,13 +481,31 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.queue.push(req)
-        self._record_preempt(step, req, mode, reason, now)
+        self._record_preempt(step, req, mode, reason, now, figures)
 
-    def _record_preempt(self, step: _Step, req: Request, mode: str, reason: str, now: float) -> None:
+    def _preemption_by_cost(self, req: Request) -> tuple[str, dict[str, object]]:
+        """`auto`: recompute or swap, whichever the cost model says is cheaper for this victim.
+        Recompute re-runs its computed tokens as prefill (the curve's rise above an empty step);
+        swap copies its blocks to the host and back. No host room for its blocks: recompute."""
+        assert self.cost_model is not None
+        computed = req.num_computed_tokens
+        blocks = len(req.block_ids)
+        cost = self.cost_model
+        recompute_s = max(0.0, cost.seconds_for(0, computed) - cost.seconds_for(0, 0))
+        swap_s = max(0.0, cost.seconds_for(0, 0, 2 * blocks * self.block_size) - cost.seconds_for(0, 0))
+        if blocks > self.kv.num_free_host_blocks:
+            choice, why = "recompute", "swap_space_full"
+        else:
+            choice, why = ("swap", "swap_cheaper") if swap_s < recompute_s else ("recompute", "recompute_cheaper")
+        return choice, {"auto": why, "recompute_s": round(recompute_s, 6), "swap_s": round(swap_s, 6),
+                        "computed_tokens": computed, "blocks": blocks}
+
+    def _record_preempt(self, step: _Step, req: Request, mode: str, reason: str, now: float,
+                        figures: dict[str, object] | None = None) -> None:
         step.plan.preempted.append((req.request_id, mode, reason))
         step.preempted.add(req.request_id)
         self._count(self._stats.preemptions, (mode, reason))
-        self._event(now, "preempt", req.request_id, reason, mode=mode)
+        self._event(now, "preempt", req.request_id, reason, mode=mode, **(figures or {}))
 
     def _deadline_live(self, entry: tuple[float, int, str]) -> bool:
         """The entry's request is still here, and it is the one that pushed it: an id a client

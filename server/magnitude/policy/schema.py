@@ -83,8 +83,12 @@ class SchedulerPolicy(PolicyModel):
     itl_target_ms: float | None = Field(
         default=None, gt=0.0, le=60_000.0, description="Inter-token latency target used to derive prefillChunkSize."
     )
-    preemption_mode: Literal["recompute", "swap"] = Field(
-        default="recompute", description="How a victim gives up its KV blocks when memory runs out."
+    preemption_mode: Literal["recompute", "swap", "auto"] = Field(
+        default="recompute",
+        description="How a victim gives up its KV blocks when memory runs out: recompute (drop them, prefill "
+        "again), swap (copy them to kvCache.swapBlocks host blocks, which must be more than 0), or auto (per "
+        "victim, whichever the measured cost model says is cheaper: recomputing its tokens or copying its "
+        "blocks out and back; recompute when host space is short).",
     )
     priority_classes: list[PriorityClass] = Field(
         default_factory=_default_priority_classes, min_length=1, max_length=16
@@ -284,3 +288,11 @@ class EngineConfig(PolicyModel):
     draft_model: DraftModelPolicy | None = Field(
         default=None, description="Speculative decoding (prompt lookup today); null: none."
     )
+
+    @model_validator(mode="after")
+    def _check_swap_space(self) -> "EngineConfig":
+        # Refused rather than falling back to recompute on every preemption without a word.
+        if self.scheduler.preemption_mode == "swap" and self.kv_cache.swap_blocks == 0:
+            raise ValueError("scheduler.preemptionMode swap needs host swap space: kvCache.swapBlocks is 0 "
+                             "(set kvCache.swapBlocks, or preemptionMode recompute or auto)")
+        return self

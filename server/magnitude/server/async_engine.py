@@ -185,8 +185,10 @@ class AsyncEngine:
         clock: Callable[[], float] = time.monotonic,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         request_log: RequestLog | None = None,
+        cost_model: Any = None,
     ) -> None:
         self.config = config
+        self.cost_model = cost_model  # the step-cost model preemptionMode auto decides by (sim/cost.py)
         draft = config.draft_model
         # Speculation's on/off state (mode auto: measured, engine/speculation.py); None without a draft.
         self.speculation = SpeculationPolicy(draft.mode) if draft is not None else None
@@ -255,6 +257,7 @@ class AsyncEngine:
                 num_blocks=runner.num_blocks,
                 num_swap_blocks=runner.num_swap_blocks,
                 max_model_len=self.max_model_len,
+                cost_model=self.cost_model,
             )
             if self.shed_classes:
                 scheduler.set_shedding(set(self.shed_classes))

@@ -97,7 +97,7 @@ def check_trace(records: list[TraceRecord], config: EngineConfig, source: str = 
 def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostModel, keep_events: bool = True) -> SimResult:
     config = resolve_sim_config(config, cost_model)
     check_trace(records, config)
-    sched = Scheduler(config)
+    sched = Scheduler(config, cost_model=cost_model)
     runner = CostModelRunner(cost_model)
     heap = EventHeap()
     pairs = [(rec, to_request(rec, config)) for rec in records]
