@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation", choices=("on", "off", "auto"),
                    help="draftModel.mode: on, off, or auto (default: speculate while measured acceptance and step "
                         "costs say it pays)")
+    p.add_argument("--record-trace", metavar="FILE",
+                   help="write the live traffic as a simulator trace that `magnitude simulate FILE` replays: arrival, "
+                   "prompt and output lengths, tenant (hashed), class, cancel time, preparation and prefix groups, no "
+                   "text; rotated at recordTrace.maxBytes (default 64 MiB). Sets the config's recordTrace.path")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--runner", choices=("real", "simulated"), default="real",
@@ -120,6 +124,18 @@ def _preemption_cost_model(args: argparse.Namespace, config: Any) -> Any:
         raise ConfigError("scheduler.preemptionMode auto compares recompute and swap on a measured cost model: "
                           "run `magnitude profile --out cost.json` on this hardware and pass --cost-model cost.json")
     return load_cost_model(args.cost_model, config.kv_cache.block_size)
+
+
+def _apply_record_trace(args: argparse.Namespace, config: Any) -> Any:
+    """--record-trace FILE sets recordTrace.path (the config's other recordTrace settings stay)."""
+    from magnitude.policy.schema import RecordTracePolicy
+
+    if not args.record_trace:
+        return config
+    current = config.record_trace
+    policy = (current.model_copy(update={"path": args.record_trace}) if current is not None
+              else RecordTracePolicy(path=args.record_trace))
+    return config.model_copy(update={"record_trace": policy})
 
 
 def _apply_speculation(args: argparse.Namespace, config: Any) -> Any:
@@ -235,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
         config = _derive_prefill_chunk(args, config)
         config = _apply_speculation(args, config)
+        config = _apply_record_trace(args, config)
         preemption_cost = _preemption_cost_model(args, config)
         load_runner = _runner_factory(args, config)
     except (ConfigError, CostModelError) as exc:
@@ -252,7 +269,13 @@ def run(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(tenant_labels=config.tenant_labels, compat=compat,
                             service_version=os.environ.get("MAGNITUDE_SERVICE_VERSION", ""))
     request_log = RequestLog(time.monotonic, max_requests=args.timeline_ring_size, max_decisions=args.decision_ring_size)
-    engine = AsyncEngine(config, load_runner, metrics, request_log=request_log, cost_model=preemption_cost)
+    from magnitude.server.trace_recorder import TraceRecordError
+
+    try:
+        engine = AsyncEngine(config, load_runner, metrics, request_log=request_log, cost_model=preemption_cost)
+    except TraceRecordError as exc:
+        print(f"magnitude serve: {exc}", file=sys.stderr)
+        return 2
     try:
         app = create_app(engine, metrics.registry, settings)
     except ConfigError as exc:  # the auth settings or the keys file (AuthConfigError)

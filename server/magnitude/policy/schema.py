@@ -259,6 +259,29 @@ class DraftModelPolicy(PolicyModel):
         return self
 
 
+class RecordTracePolicy(PolicyModel):
+    """Record the live traffic as a simulator trace (JSONL, docs/design.md "Trace (contract)")."""
+
+    path: str = Field(
+        min_length=1, max_length=4096,
+        description="File the trace is written to (its directory must exist and be writable, e.g. under the model "
+        "cache volume $MAGNITUDE_CACHE); rotated files are PATH.1 (newest) to PATH.<keep>.",
+    )
+    max_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, le=1 << 40,
+        description="Size at which the file is rotated; a line is never split across files.",
+    )
+    keep: int = Field(default=3, ge=0, le=1000, description="Rotated files kept besides the current one.")
+    include_text: bool = Field(
+        default=False, description="Write each request's prompt text (`prompt`); off by default: lengths only.",
+    )
+    hash_tenants: bool = Field(
+        default=True,
+        description="Write tenant names as a hash (`t-` and 16 hex digits of their SHA-256), the same name always "
+        "the same hash; false writes them as they are.",
+    )
+
+
 def speculation_problem(config: "EngineConfig") -> tuple[str, str] | None:
     """(field, reason) when the draft settings cannot run with this scheduler policy, else None.
     Shared by `magnitude serve` (exit 2) and the operator (Degraded)."""
@@ -287,6 +310,11 @@ class EngineConfig(PolicyModel):
     )
     draft_model: DraftModelPolicy | None = Field(
         default=None, description="Speculative decoding (prompt lookup today); null: none."
+    )
+    record_trace: RecordTracePolicy | None = Field(
+        default=None,
+        description="Write the live traffic as a simulator trace (arrival, prompt and output lengths, tenant, class, "
+        "cancel time, prefix groups) that `magnitude simulate` replays; null: not recorded.",
     )
 
     @model_validator(mode="after")

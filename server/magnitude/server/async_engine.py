@@ -32,6 +32,7 @@ from magnitude.server.output_processor import OutputState, TokenLogprob
 from magnitude.server.protocol import internal_error_message
 from magnitude.server.timeline import RequestLog
 from magnitude.server.tokenization import PromptRenderer
+from magnitude.server.trace_recorder import Ended, TraceRecorder
 
 log = logging.getLogger("magnitude.async_engine")
 
@@ -189,6 +190,10 @@ class AsyncEngine:
     ) -> None:
         self.config = config
         self.cost_model = cost_model  # the step-cost model preemptionMode auto decides by (sim/cost.py)
+        # recordTrace: ended requests go to a writer thread as trace lines (server/trace_recorder.py).
+        self.trace_recorder: TraceRecorder | None = None
+        if config.record_trace is not None:
+            self.trace_recorder = TraceRecorder(config.record_trace, clock(), config.kv_cache.block_size)
         draft = config.draft_model
         # Speculation's on/off state (mode auto: measured, engine/speculation.py); None without a draft.
         self.speculation = SpeculationPolicy(draft.mode) if draft is not None else None
@@ -250,6 +255,8 @@ class AsyncEngine:
             self.max_model_len = min(runner.max_model_len, self.config.admission.max_model_len or runner.max_model_len)
             self.kv_capacity_tokens = runner.num_blocks * self.config.kv_cache.block_size
             self.renderer = PromptRenderer(runner.tokenizer)
+            if self.trace_recorder is not None:
+                self.trace_recorder.detokenize = runner.tokenizer.decode
             self.max_prompt_chars = self.renderer.max_prompt_chars(self.max_model_len)
             self.max_body_bytes = context_body_bytes(self.max_prompt_chars, self.max_model_len)
             scheduler = Scheduler(
@@ -361,6 +368,8 @@ class AsyncEngine:
             while self._tracked and time.monotonic() < end and self.loop.running:
                 await asyncio.sleep(0.02)
             await asyncio.to_thread(self.loop.stop)
+        if self.trace_recorder is not None:
+            await asyncio.to_thread(self.trace_recorder.close)  # what was recorded reaches the file
         self.metrics.engine_ready.set(0)
 
     # -- shedding -----------------------------------------------------------------------------------
@@ -434,6 +443,7 @@ class AsyncEngine:
                 reason = decision.reason or "rejected"
                 self.metrics.observe_rejection(reason, spec.priority_class)
                 timing = self.request_log.close(request_id, "rejected", now, [])
+                self._record_trace(request, "rejected", now, now)
                 self.metrics.observe_request(
                     RequestRecord(spec.priority_class, spec.tenant, "rejected", arrival, prompt_tokens=request.num_prompt_tokens,
                                   preparation_s=_seconds(timing.get("preparation_ms")))
@@ -607,6 +617,8 @@ class AsyncEngine:
         proposed = getattr(req, "spec_proposed", 0)
         acceptance = round(req.spec_accepted / proposed, 4) if proposed else None
         timing = self.request_log.close(req.request_id, status, finished, times, acceptance)
+        waited_ms = (timing.get("loading_ms") or 0.0) + (timing.get("preparation_ms") or 0.0)
+        self._record_trace(req, status, finished, req.arrival_time + float(waited_ms) / 1000.0)
         rec = RequestRecord(
             priority_class=req.priority_class,
             tenant=req.tenant,
@@ -622,6 +634,16 @@ class AsyncEngine:
             prefill_s=_seconds(timing.get("prefill_ms")),
         )
         return timing, rec
+
+    def _record_trace(self, req: Any, status: str, end: float, queued: float | None) -> None:
+        if self.trace_recorder is None:
+            return
+        self.trace_recorder.record(Ended(
+            request_id=req.request_id, arrival=req.arrival_time, queued=queued,
+            prompt_token_ids=req.prompt_token_ids or [], output_tokens=len(req.output_token_ids),
+            priority_class=req.priority_class, tenant=req.tenant, status=status, end=end, deadline=req.deadline,
+            isolation_key=req.cache_key, extra={"expected_output_tokens": req.expected_output_tokens},
+        ))
 
     def _finish(self, tr: _Tracked, finish_reason: str, end: float | None) -> None:
         tail = tr.out.finish()

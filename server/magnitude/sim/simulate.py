@@ -18,7 +18,7 @@ from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
 from magnitude.sim.cost import CostModel, resolve_prefill_chunk
-from magnitude.sim.trace import TraceError, TraceRecord
+from magnitude.sim.trace import TraceError, TraceRecord, prefix_token_ids
 
 DEFAULT_SIM_BLOCKS = 2048  # when kvCache.numBlocks is null (the engine sizes it from memory)
 
@@ -73,7 +73,7 @@ def resolve_sim_config(config: EngineConfig, cost_model: CostModel) -> EngineCon
 def to_request(rec: TraceRecord, config: EngineConfig) -> Request:
     return Request(
         request_id=rec.id,
-        prompt_token_ids=None,
+        prompt_token_ids=prefix_token_ids(rec),  # None without prefix groups: no prefix-cache hits
         num_prompt_tokens=rec.prompt_tokens,
         sampling=SamplingParams(max_tokens=rec.output_tokens, ignore_eos=True),
         arrival_time=rec.arrival,
@@ -103,9 +103,11 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
     pairs = [(rec, to_request(rec, config)) for rec in records]
     result = SimResult(config, cost_model.name, pairs)
     for rec, req in pairs:
-        heap.push(rec.arrival, ARRIVAL, req)
+        # A recorded request reaches the queue after its preparation; its arrival (aging, TTFT) stays the HTTP one.
+        queued = rec.arrival + (rec.preparation or 0.0)
+        heap.push(queued, ARRIVAL, req)
         if rec.cancel_at is not None:
-            heap.push(max(rec.cancel_at, rec.arrival), CANCEL, req.request_id)
+            heap.push(max(rec.cancel_at, queued), CANCEL, req.request_id)
 
     in_flight: tuple[StepPlan, RunnerOutput, float] | None = None
     now = 0.0
