@@ -126,13 +126,6 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(runn
     assert sum(r.spec_accepted for r in reqs.values()) > 0
 
 
-def test_penalised_requests_get_no_lookahead_and_no_drafts(runner, prompt_ids, hf_reference):
-    sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, repetition_penalty=1.3)
-    with _proposer(runner, NgramProposer()):
-        _, _, reqs, _ = _drive(runner, prompt_ids[:2], sampling, *SPEC)
-    assert all(r.num_lookahead == 0 and r.spec_proposed == 0 for r in reqs.values())
-
-
 class _Broken:
     def propose(self, seq, k):
         raise RuntimeError("proposer bug")

@@ -6,6 +6,11 @@ per int32), filled by their matcher, and the whole batch is masked by one in-pla
 Unconstrained rows are not touched. After sampling, the runner advances each constrained request's matcher
 by the token it keeps, so the next step's mask follows the text so far (preemption by recompute
 keeps the outputs and so the matcher's state).
+
+Under speculative decoding a constrained row's matcher walks its drafts before the forward
+(`advance_through_drafts`: one mask row per verification position; a draft the grammar refuses
+ends the proposal), and after verification rolls back the rejected ones and accepts the emitted
+token (`settle_drafts`), so its state is that of accepting only the kept tokens.
 """
 
 from __future__ import annotations
@@ -67,3 +72,69 @@ def advance_constraint(params: SamplingParams, token: int) -> None:
     token the grammar refuses, which the mask makes impossible, raises ValueError."""
     if params.constraint is not None and not params.constraint.accept_token(token):
         raise ValueError(f"token {token} is not allowed by the request's grammar")
+
+
+# -- speculative decoding under a grammar ----------------------------------------------------------------
+
+def can_draft(params: SamplingParams) -> bool:
+    """Whether drafts can be verified for this request: no grammar, or one whose matcher can roll
+    tokens back (xgrammar's GrammarMatcher can; a constraint without `rollback` gets no drafts)."""
+    c = params.constraint
+    return c is None or (callable(getattr(c, "rollback", None)) and callable(getattr(c, "is_terminated", None)))
+
+
+def _allows(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
+
+
+def advance_through_drafts(params: SamplingParams, drafts: list[int], vocab: int) -> tuple[list[int], torch.Tensor | None]:
+    """Walk a constrained request's matcher tentatively through `drafts`, filling one bitmask row
+    per verification position: row j is the mask after drafts[:j] (what a non-speculative step
+    would use had those drafts been its tokens). A draft the grammar refuses ends the proposal
+    there, and so does one that completes the grammar (nothing may follow it, so its row would
+    have no mask). Returns (the drafts kept, bitmask [len(kept) + 1, words]); the matcher is left
+    advanced by the kept drafts: `settle_drafts` rolls back the ones verification rejects.
+    Without a grammar: (drafts, None), nothing touched."""
+    c = params.constraint
+    if c is None:
+        return drafts, None
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(len(drafts) + 1, vocab)
+    c.fill_next_token_bitmask(bitmask, 0)
+    kept: list[int] = []
+    for d in drafts:
+        if not _allows(bitmask, len(kept), d) or not c.accept_token(d):
+            break
+        if c.is_terminated():
+            c.rollback(1)
+            break
+        kept.append(d)
+        c.fill_next_token_bitmask(bitmask, len(kept))
+    return kept, bitmask[: len(kept) + 1]
+
+
+def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [R, V] masked by a bitmask [R, words] (a new tensor); a row left with no
+    allowed token raises ValueError naming it, as `apply_constraints` does."""
+    import xgrammar
+
+    out = logits.float().clone()
+    xgrammar.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=out.shape[-1])
+    dead = torch.isneginf(out).all(dim=-1).nonzero()[:, 0].tolist()
+    if dead:
+        raise ValueError(f"sampling rows {dead}: the grammar allows no token the model can produce")
+    return out
+
+
+def settle_drafts(params: SamplingParams, num_drafts: int, kept: list[int]) -> None:
+    """After verification of `num_drafts` drafts walked by `advance_through_drafts`: roll back the
+    rejected ones and accept the token verification emitted last (a correction or the bonus), so
+    the matcher's state is exactly that of accepting `kept` one by one."""
+    c = params.constraint
+    if c is None:
+        return
+    rejected = num_drafts - (len(kept) - 1)
+    if rejected:
+        c.rollback(rejected)
+    advance_constraint(params, kept[-1])

@@ -10,6 +10,8 @@ Speculative decoding hook: a `DraftProposer` (none by default) fills a decode's 
 slots with draft tokens (prompt lookup: runner/spec_decode.py); the step computes them together.
 Greedy verification keeps the drafts matching the argmax plus one model token; random sampling
 verifies by rejection sampling (`Sampler.verify`), so the output distribution is the target's.
+Grammars and penalties draft too: each verification position is masked and penalised as a plain
+step would be had the drafts before it been kept (`Sampler.verify_row`, constraints.py).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from magnitude.engine.quantization import QuantizationRecord
 from magnitude.engine.sampling import SamplingParams
 from magnitude.runner import quant_eval
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
-from magnitude.runner.constraints import advance_constraint
+from magnitude.runner.constraints import advance_constraint, advance_through_drafts, can_draft, settle_drafts
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.quantize import CALIBRATION_TEXT, check_quantization, quantize_linears
-from magnitude.runner.sampling import History, Sampler, accept_drafts
+from magnitude.runner.sampling import History, Sampler
 
 log = logging.getLogger("magnitude.runner")
 
@@ -62,6 +64,7 @@ class _Work:
     seq: ScheduledSeq
     drafts: list[int] = field(default_factory=list)
     offset: int = 0
+    bitmask: torch.Tensor | None = None  # a constrained row's grammar mask per draft position
 
     @property
     def tokens(self) -> list[int]:
@@ -205,11 +208,9 @@ class ModelRunner:
         return None
 
     def _drafts(self, s: ScheduledSeq) -> list[int]:
-        # Rows whose logits are adjusted get no drafts: greedy verification compares drafts with the
-        # raw argmax, and a penalty's counts (or a grammar's state) would have to include the drafts
-        # before them.
-        if (not (s.sample and s.num_lookahead > 0 and self.draft_proposer is not None) or s.sampling.adjusts_logits
-                or s.sampling.constraint is not None):
+        # Penalties and grammars do not stop drafting: verification sees each position's logits as
+        # a plain step would (`Sampler.verify_row`). Only a grammar that cannot roll back does.
+        if not (s.sample and s.num_lookahead > 0 and self.draft_proposer is not None) or not can_draft(s.sampling):
             return []
         try:
             proposed = list(self.draft_proposer.propose(s, s.num_lookahead))[: s.num_lookahead]
@@ -241,6 +242,9 @@ class ModelRunner:
                 out.failed[s.request_id] = err
                 continue
             w = _Work(s, self._drafts(s), offset)
+            if w.drafts and s.sampling.constraint is not None:
+                # The matcher walks the drafts now, one mask per verification position.
+                w.drafts, w.bitmask = advance_through_drafts(s.sampling, w.drafts, self.vocab_size)
             offset += len(w.tokens)
             work.append(w)
         timing = StepTiming(num_seqs=len(work), num_tokens=offset, swap_s=t_swap - t0)
@@ -299,32 +303,36 @@ class ModelRunner:
         for w in samplers:
             first_rows.append(r)
             r += len(w.drafts) + 1
-        params = [w.seq.sampling for w in samplers]
-        steps = [w.seq.num_output_tokens for w in samplers]
-        histories = [(w.seq.prompt_token_ids, w.seq.output_token_ids) for w in samplers]
-        first = self._sample_rows(logits[first_rows], params, steps, histories, samplers, out)
-        for i, w in enumerate(samplers):
-            if first[i] is None:
-                continue  # failed alone, in out.failed
-            if not w.drafts:
+        # Rows without drafts are sampled together; a drafted row is verified on its own block (a
+        # constrained one's matcher already stands after its drafts: it cannot share the batch's mask).
+        plain = [w for w in samplers if not w.drafts]
+        if plain:
+            rows = [first_rows[i] for i, w in enumerate(samplers) if not w.drafts]
+            params = [w.seq.sampling for w in plain]
+            steps = [w.seq.num_output_tokens for w in plain]
+            histories = [(w.seq.prompt_token_ids, w.seq.output_token_ids) for w in plain]
+            first = self._sample_rows(logits[rows], params, steps, histories, plain, out)
+            for w, token in zip(plain, first):
+                if token is None:
+                    continue  # failed alone, in out.failed
                 try:
-                    advance_constraint(w.seq.sampling, first[i].token_id)
+                    advance_constraint(w.seq.sampling, token.token_id)
                 except ValueError as exc:  # this request's grammar is broken, not the step
                     out.failed[w.seq.request_id] = f"sampling failed: {exc}"
                     continue
-                out.sampled[w.seq.request_id] = [first[i]]
+                out.sampled[w.seq.request_id] = [token]
+        for i, w in enumerate(samplers):
+            if not w.drafts:
                 continue
             out.num_drafts[w.seq.request_id] = len(w.drafts)
             block = logits[first_rows[i] : first_rows[i] + len(w.drafts) + 1]
             try:
-                if w.seq.sampling.greedy:
-                    kept = accept_drafts(torch.argmax(block, dim=-1).tolist(), w.drafts)
-                else:
-                    kept = self.sampler.verify(block, w.seq.sampling, w.seq.num_output_tokens, w.drafts)
-            except ValueError as exc:  # NaN/inf logits in a draft row: this request fails alone
+                tokens = self.sampler.verify_row(block, w.seq.sampling, w.seq.num_output_tokens, w.drafts,
+                                                 (w.seq.prompt_token_ids, w.seq.output_token_ids), w.bitmask)
+                settle_drafts(w.seq.sampling, len(w.drafts), [t.token_id for t in tokens])
+            except ValueError as exc:  # NaN/inf logits in a draft row, a broken grammar: this request fails alone
                 out.failed[w.seq.request_id] = f"sampling failed: {exc}"
                 continue
-            tokens = Sampler.attach_logprobs(block[: len(kept)], [w.seq.sampling] * len(kept), kept)
             out.sampled[w.seq.request_id] = tokens
 
     def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],

@@ -26,7 +26,7 @@ import torch
 
 from magnitude.engine.output import SampledToken
 from magnitude.engine.sampling import SamplingParams
-from magnitude.runner.constraints import apply_constraints
+from magnitude.runner.constraints import apply_constraints, mask_rows
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the 64-bit space
 NUCLEUS_CANDIDATES = 1024
@@ -223,6 +223,30 @@ class Sampler:
         else:
             uniforms = torch.rand(logits.shape[0], generator=self._rng, device=logits.device)
         return verify_drafts(probs, drafts, uniforms)
+
+    def verify_row(self, logits: torch.Tensor, params: SamplingParams, step: int, drafts: list[int],
+                   history: History, bitmask: torch.Tensor | None = None) -> list[SampledToken]:
+        """One request's drafts verified against `logits` (len(drafts) + 1 rows, row j the position
+        before draft j), each row seen as a non-speculative step would see it had drafts[:j] been
+        its tokens: grammar mask row j (`bitmask`, from `constraints.advance_through_drafts`)
+        first, then penalties counting the output plus drafts[:j] (if row j's token is kept, those
+        drafts were all accepted) and logit_bias; then greedy matching or the rejection rule
+        (`verify`). Logprobs, as in `sample`, are those of the masked, unadjusted rows. So the
+        tokens equal non-speculative decoding's: token for token when greedy or seeded."""
+        logits = logits.float()
+        check_logits(logits)
+        if bitmask is not None:
+            logits = mask_rows(logits, bitmask)
+        n = len(drafts) + 1
+        adjusted = logits
+        if params.adjusts_logits:
+            prompt, output = history
+            adjusted = adjust_logits(logits, [params] * n, [(prompt, [*output, *drafts[:j]]) for j in range(n)])
+        if params.greedy:
+            kept = accept_drafts(torch.argmax(adjusted, dim=-1).tolist(), drafts)
+        else:
+            kept = self.verify(adjusted, params, step, drafts)
+        return self.attach_logprobs(logits[: len(kept)], [params] * len(kept), kept)
 
     @staticmethod
     def attach_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[SampledToken]:
