@@ -41,6 +41,12 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "message": "minReplicas must be less than or equal to maxReplicas",
             "fieldPath": ".minReplicas",
         },
+        {  # EngineConfig._check_swap_space
+            "rule": "!has(self.scheduler) || !has(self.scheduler.preemptionMode) || self.scheduler.preemptionMode != 'swap'"
+            " || (has(self.kvCache) && has(self.kvCache.swapBlocks) && self.kvCache.swapBlocks > 0)",
+            "message": "scheduler.preemptionMode swap needs host swap space: kvCache.swapBlocks must be more than 0",
+            "fieldPath": ".kvCache",
+        },
     ],
     "DraftModelPolicy": [  # the same rules as DraftModelPolicy._check_method
         {
