@@ -1,0 +1,31 @@
+"""The cost model's swap figure, measured on the real runner's KV pool: a round trip of real block
+copies leaves the device blocks as they were, and the figures are consistent with each other."""
+
+from __future__ import annotations
+
+import pytest
+
+from magnitude.runner.swap_bandwidth import block_bytes, measure_swap
+
+
+def test_measure_swap_times_real_copies_and_leaves_the_device_blocks_unchanged(runner) -> None:
+    torch = pytest.importorskip("torch")
+    before = runner.kv.device_cache.clone()
+    runner.kv.device_cache[:, :, 0].fill_(1.5)  # something a copy that did nothing would not bring back
+    marked = runner.kv.device_cache.clone()
+    figures = measure_swap(runner, repeats=2, max_blocks=8)
+    assert torch.equal(runner.kv.device_cache, marked)
+    assert torch.equal(runner.kv.host_cache[:, :, 0], marked[:, :, 0].cpu())  # it really went to the host
+    runner.kv.device_cache.copy_(before)
+    n = min(runner.num_blocks, runner.num_swap_blocks, 8)
+    assert figures.blocks == n and figures.per_swap_token > 0
+    # seconds per token and bytes per second describe the same round trip
+    seconds = figures.per_swap_token * 2 * n * runner.block_size
+    assert figures.bytes_per_s == pytest.approx(2 * n * block_bytes(runner.kv) / seconds)
+
+
+def test_no_swap_space_measures_nothing() -> None:
+    class NoSwap:
+        num_blocks, num_swap_blocks = 16, 0
+
+    assert measure_swap(NoSwap()).per_swap_token == 0.0
