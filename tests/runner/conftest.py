@@ -211,3 +211,59 @@ def driver_factory(runner) -> Iterator:
     yield make
     for d in drivers:
         assert d.all_free(), "blocks leaked"
+
+
+@dataclass
+class Driven:
+    """What `drive_scheduler` ran: the scheduler, each request's tokens, the requests, the steps."""
+
+    sched: object
+    outputs: dict[str, list[int]]
+    reqs: dict
+    steps: int
+    finished: dict[str, str | None]
+
+
+def drive_scheduler(runner, prompts: list[list[int]], sampling: SamplingParams, *sets: str,
+                    cancel: tuple[str, int] | None = None, stagger: int = 0) -> Driven:
+    """The real Scheduler driving the real runner in a synchronous loop (virtual time, one second a
+    step) until every request is done; `cancel=(rid, step)` aborts one request at that step;
+    request i arrives at step i * `stagger`. Asserts that no step failed a request and that every
+    device and host block is free at the end."""
+    from magnitude.engine.request import Request
+    from magnitude.engine.scheduler import Scheduler
+    from magnitude.policy.load import resolve_config
+
+    sched = Scheduler(resolve_config(None, [f"kvCache.numBlocks={runner.num_blocks}", *sets]))
+    now = 0.0
+    reqs = {f"r{i}": Request(f"r{i}", list(ids), len(ids), sampling, now, eos_token_ids=runner.eos_token_ids)
+            for i, ids in enumerate(prompts)}
+    arrivals = [(i * stagger, req) for i, req in enumerate(reqs.values())]
+    outputs: dict[str, list[int]] = {rid: [] for rid in reqs}
+    finished: dict[str, str | None] = {}
+    steps = 0
+    while arrivals or sched.has_work():
+        while arrivals and arrivals[0][0] <= steps:
+            req = arrivals.pop(0)[1]
+            req.arrival_time = now
+            assert sched.add_request(req, now).accepted
+        if cancel is not None and steps == cancel[1]:
+            sched.abort(cancel[0], now)
+        plan = sched.schedule(now)
+        out = runner.execute(plan)
+        assert not out.failed, out.failed
+        now += 1.0
+        for u in sched.update_from_output(plan, out, now):
+            outputs[u.request_id].extend(u.new_token_ids)
+            if u.finished:
+                finished[u.request_id] = u.finish_reason
+        steps += 1
+        assert steps < 500, "scheduler + runner did not converge"
+    stats = sched.stats()
+    assert stats.kv_used_blocks == 0 and stats.swap_used_blocks == 0, "blocks leaked"
+    assert stats.running == stats.waiting == stats.swapped == 0
+    return Driven(sched, outputs, reqs, steps, finished)
+
+
+def without_eos(ref: list[int], eos: list[int]) -> list[int]:
+    return ref[:-1] if ref and ref[-1] in eos else ref

@@ -34,10 +34,6 @@ class KVShape:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def blocks_for_budget(shape: KVShape, budget_bytes: int) -> int:
-    return max(1, budget_bytes // shape.bytes_per_block)
-
-
 def _read_int(path: Path) -> int | None:
     try:
         text = path.read_text().strip()
@@ -65,25 +61,28 @@ def host_available_bytes(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/f
 
 
 def default_num_blocks(shape: KVShape, device: torch.device, weight_bytes: int, memory_fraction: float = 0.9,
-                       free_bytes: int | None = None) -> int:
+                       free_bytes: int | None = None, extra_bytes_per_block: int = 0) -> int:
     """Size the device pool from `kvCache.memoryFraction`: that share of the memory that was free
     before the weights (free now + the weights) holds the weights and the KV cache, less a tenth of
     the weights' size for activations. Free memory is the device's (CUDA) or the host's available
     memory within the container's limit (CPU), measured after the weights are loaded. A fraction
-    too small to hold one block is refused, naming the field."""
+    too small to hold one block is refused, naming the field. `extra_bytes_per_block`: a draft
+    model's K/V under the same block id (runner/draft_model.py): a block costs both."""
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"kvCache.memoryFraction must be in (0, 1], got {memory_fraction}")
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available_bytes()
     budget = int(memory_fraction * (free_bytes + weight_bytes)) - weight_bytes - int(weight_bytes * ACTIVATION_HEADROOM)
-    if budget < shape.bytes_per_block:
+    per_block = shape.bytes_per_block + extra_bytes_per_block
+    if budget < per_block:
         raise ValueError(
             f"kvCache.memoryFraction {memory_fraction} leaves {max(budget, 0) / 2**20:.0f} MiB for the KV cache "
             f"({free_bytes / 2**30:.2f} GiB free on {device.type} after {weight_bytes / 2**30:.2f} GiB of weights); "
-            f"one block needs {shape.bytes_per_block / 2**20:.2f} MiB: raise it or set kvCache.numBlocks")
-    blocks = blocks_for_budget(shape, budget)
-    log.info("KV pool: %d blocks (%.2f GiB) = memoryFraction %s of %.2f GiB free on %s + %.2f GiB of weights, "
-             "less the weights and their activation headroom", blocks, blocks * shape.bytes_per_block / 2**30,
+            f"one block needs {per_block / 2**20:.2f} MiB: raise it or set kvCache.numBlocks")
+    blocks = max(1, budget // per_block)
+    log.info("KV pool: %d blocks (%.2f GiB, %d bytes a block of which %d the draft model's) = memoryFraction %s of "
+             "%.2f GiB free on %s + %.2f GiB of weights, less the weights and their activation headroom",
+             blocks, blocks * per_block / 2**30, per_block, extra_bytes_per_block,
              memory_fraction, free_bytes / 2**30, device.type, weight_bytes / 2**30)
     return blocks
 

@@ -31,6 +31,7 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.runner import quant_eval
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
 from magnitude.runner.constraints import advance_constraint, advance_through_drafts, can_draft, settle_drafts
+from magnitude.runner.draft_model import DraftModelProposer, kv_shape, load_draft
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.quantize import CALIBRATION_TEXT, check_quantization, quantize_linears
@@ -96,11 +97,17 @@ class ModelRunner:
         record_cache: Path | None = None,
         evaluate_quantization: bool = True,
         memory_fraction: float = 0.9,
+        draft_source: str | None = None,
     ) -> None:
         """`record_cache`: where quantization evaluation records are kept across restarts (None:
         measure on every load). `evaluate_quantization=False` skips the evaluation (tests of the
         runner's numerics); `quantization_record` is then None. `memory_fraction`
-        (`kvCache.memoryFraction`) sizes the KV pool when `num_blocks` is None (kv_pool.py)."""
+        (`kvCache.memoryFraction`) sizes the KV pool when `num_blocks` is None (kv_pool.py).
+        `draft_source`: a draft model (`self:N` or any model source; runner/draft_model.py) proposes
+        the drafts, with a KV pool of its own under the same block ids: a block then costs the
+        target's bytes plus the draft's, and memoryFraction sizes the pool from their sum."""
+        if draft_source is not None and draft_proposer is not None:
+            raise ValueError("give a draft_source or a draft_proposer, not both")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_threads:
@@ -134,12 +141,22 @@ class ModelRunner:
             # about 2x faster (AVX-512 BF16): keep a bf16 model's KV cache and attention in fp32.
             dtype=torch.float32 if self.device.type == "cpu" else self.dtype,
         )
+        draft = None
+        if draft_source is not None:
+            report("loading_draft", 0.0)
+            draft = load_draft(draft_source, self.model, self.tokenizer, str(self.device), self.dtype)
+            report("loading_draft", 1.0)
+        draft_block_bytes = kv_shape(draft.config, block_size, shape.dtype).bytes_per_block if draft else 0
         if num_blocks is None:
             # Buffers too: int8 weights are buffers, not parameters.
             weight_bytes = sum(t.numel() * t.element_size()
                                for t in (*self.model.parameters(), *self.model.buffers()))
-            num_blocks = default_num_blocks(shape, self.device, weight_bytes, memory_fraction)
+            num_blocks = default_num_blocks(shape, self.device, weight_bytes + (draft.weight_bytes if draft else 0),
+                                            memory_fraction, extra_bytes_per_block=draft_block_bytes)
         self.kv = PagedKVPool(shape, num_blocks, num_swap_blocks, self.device)
+        if draft is not None:
+            draft_proposer = DraftModelProposer(draft, self.vocab_size, block_size, num_blocks, num_swap_blocks,
+                                                self.device, shape.dtype, seed)
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         self.sampler = Sampler(self.device, seed)
@@ -232,6 +249,10 @@ class ModelRunner:
         out = RunnerOutput()
         self.kv.swap_out(plan.swap_out)
         self.kv.swap_in(plan.swap_in)
+        drafter = self._draft_model()
+        if drafter is not None:  # its pool swaps the same blocks; its forwards draft for the whole step
+            drafter.begin_step(plan)
+            drafter.prepare([s for s in plan.seqs if self._validate(s) is None])
         t_swap = time.perf_counter()
 
         work: list[_Work] = []
@@ -295,6 +316,10 @@ class ModelRunner:
 
         if logits is not None:
             self._sample(samplers, logits, out)
+            drafter = self._draft_model()
+            for w in samplers:
+                if drafter is not None and w.drafts and w.seq.request_id in out.sampled:
+                    drafter.end_step(w.seq, len(w.drafts), len(out.sampled[w.seq.request_id]))
         t3 = time.perf_counter()
         timing.prepare_s, timing.forward_s, timing.sample_s = t1 - t0, t2 - t1, t3 - t2
 
@@ -328,7 +353,8 @@ class ModelRunner:
             block = logits[first_rows[i] : first_rows[i] + len(w.drafts) + 1]
             try:
                 tokens = self.sampler.verify_row(block, w.seq.sampling, w.seq.num_output_tokens, w.drafts,
-                                                 (w.seq.prompt_token_ids, w.seq.output_token_ids), w.bitmask)
+                                                 (w.seq.prompt_token_ids, w.seq.output_token_ids), w.bitmask,
+                                                 q=self._draft_q(w))
                 settle_drafts(w.seq.sampling, len(w.drafts), [t.token_id for t in tokens])
             except ValueError as exc:  # NaN/inf logits in a draft row, a broken grammar: this request fails alone
                 out.failed[w.seq.request_id] = f"sampling failed: {exc}"
@@ -404,8 +430,19 @@ class ModelRunner:
 
     # -- conveniences -----------------------------------------------------------------------------
 
+    def _draft_model(self) -> DraftModelProposer | None:
+        p = self.draft_proposer
+        return p if isinstance(p, DraftModelProposer) else None
+
+    def _draft_q(self, w: _Work) -> torch.Tensor | None:
+        """The draft model's q rows for a sampling request's drafts (None: point-mass drafts)."""
+        drafter = self._draft_model()
+        return None if drafter is None else drafter.draft_probs(w.seq.request_id, len(w.drafts))
+
     def kv_bytes_per_block(self) -> int:
-        return self.kv.shape.bytes_per_block
+        """What one block id costs: the target's K/V plus, with a draft model, the draft's."""
+        drafter = self._draft_model()
+        return self.kv.shape.bytes_per_block + (drafter.bytes_per_block if drafter is not None else 0)
 
 
 __all__ = ["ModelRunner", "DraftProposer", "StepTiming", "SampledToken"]

@@ -41,6 +41,12 @@ def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Gener
     return g
 
 
+def seeded_uniforms(seed: int, index: int, n: int, device: torch.device) -> torch.Tensor:
+    """The first `n` uniforms of a seeded request's stream at output index `index`: [0] draws the
+    token (as a non-speculative step does), [1] accepts a sampled draft, [2] draws that draft."""
+    return torch.rand(n, generator=seeded_generator(seed, index, device), device=device)
+
+
 def token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(seqs), vocab] float32: how often each token occurs in each sequence."""
     counts = torch.zeros(len(seqs), vocab, device=device)
@@ -209,14 +215,25 @@ class Sampler:
         tokens = self.choose(logits, params, steps, histories)
         return self.attach_logprobs(logits, params, tokens)
 
-    def verify(self, logits: torch.Tensor, params: SamplingParams, step: int, drafts: list[int]) -> list[int]:
+    def verify(self, logits: torch.Tensor, params: SamplingParams, step: int, drafts: list[int],
+               q: torch.Tensor | None = None) -> list[int]:
         """Sampling verification of one request's point-mass drafts (`verify_drafts`): `logits`
         holds len(drafts) + 1 rows, row j the position before draft j. Row j's uniform is the one a
         non-speculative step at output index `step + j` would draw (seeded: Generator(seed, index)),
-        so a seeded request's tokens are the same with speculation on, off or toggled by auto."""
+        so a seeded request's tokens are the same with speculation on, off or toggled by auto.
+        With `q` ([len(drafts), V], the draft model's distributions the drafts were drawn from):
+        `verify_drafts_q`, seeded by the same per-position streams (reproducible, though not the
+        tokens of speculation off: acceptance takes a uniform of its own)."""
         logits = logits.float()
         check_logits(logits)
         probs = torch.softmax(filter_logits(logits, [params] * logits.shape[0]), dim=-1)
+        if q is not None:
+            rows = logits.shape[0]
+            if params.seed is not None:
+                u = torch.stack([seeded_uniforms(params.seed, step + j, 2, logits.device) for j in range(rows)])
+            else:
+                u = torch.rand(rows, 2, generator=self._rng, device=logits.device)
+            return verify_drafts_q(probs, q.to(probs.dtype), drafts, u[:, 1], u[:, 0])
         if params.seed is not None:
             uniforms = torch.cat([torch.rand(1, generator=seeded_generator(params.seed, step + j, logits.device),
                                              device=logits.device) for j in range(logits.shape[0])])
@@ -225,7 +242,8 @@ class Sampler:
         return verify_drafts(probs, drafts, uniforms)
 
     def verify_row(self, logits: torch.Tensor, params: SamplingParams, step: int, drafts: list[int],
-                   history: History, bitmask: torch.Tensor | None = None) -> list[SampledToken]:
+                   history: History, bitmask: torch.Tensor | None = None,
+                   q: torch.Tensor | None = None) -> list[SampledToken]:
         """One request's drafts verified against `logits` (len(drafts) + 1 rows, row j the position
         before draft j), each row seen as a non-speculative step would see it had drafts[:j] been
         its tokens: grammar mask row j (`bitmask`, from `constraints.advance_through_drafts`)
@@ -245,7 +263,7 @@ class Sampler:
         if params.greedy:
             kept = accept_drafts(torch.argmax(adjusted, dim=-1).tolist(), drafts)
         else:
-            kept = self.verify(adjusted, params, step, drafts)
+            kept = self.verify(adjusted, params, step, drafts, q)
         return self.attach_logprobs(logits[: len(kept)], [params] * len(kept), kept)
 
     @staticmethod
@@ -285,3 +303,26 @@ def verify_drafts(probs: torch.Tensor, drafts: list[int], uniforms: torch.Tensor
     equals it, and at the first mismatch emits x (the residual draw); after all drafts the last row
     gives the bonus token. `probs` [len(drafts) + 1, V], `uniforms` one per row."""
     return accept_drafts(draw(probs[: len(drafts) + 1], uniforms[: len(drafts) + 1]), drafts)
+
+
+def verify_drafts_q(probs: torch.Tensor, q: torch.Tensor, drafts: list[int], u_accept: torch.Tensor,
+                    u_draw: torch.Tensor) -> list[int]:
+    """Rejection sampling (Leviathan et al. 2023, Chen et al. 2023) for drafts drawn from a draft
+    model's distributions: draft j (drawn from q[j]) is accepted with probability min(1, p(d) / q(d))
+    (u_accept[j] * q(d) < p(d)); at the first rejection the token is drawn from max(0, p - q)
+    normalised (u_draw[j]) and the rest are dropped; after all drafts row len(drafts) of p gives
+    the bonus token. So each emitted token is distributed exactly as p. `probs` [len(drafts) + 1, V]."""
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        pd, qd = float(probs[j, d]), float(q[j, d])
+        if qd > 0.0 and float(u_accept[j]) * qd < pd:
+            out.append(d)
+            continue
+        residual = (probs[j] - q[j]).clamp(min=0.0)
+        if not float(residual.sum()) > 0.0:  # p <= q everywhere means p == q: rejection had probability 0
+            residual = probs[j]
+        out.append(draw(residual[None], u_draw[j : j + 1])[0])
+        return out
+    n = len(drafts)
+    out.append(draw(probs[n : n + 1], u_draw[n : n + 1])[0])
+    return out

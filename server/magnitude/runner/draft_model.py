@@ -1,0 +1,288 @@
+"""The draft-model proposer for speculative decoding: a second, smaller model that writes drafts.
+
+Owns the draft's half of speculation: loading it (`load_draft`: any source the engine loads, or
+`self:N`, the target's own first N decoder layers + its final norm + its LM head, sharing the
+target's weights, no copy), the tokenizer check against the target (same token->id map and special
+tokens; a larger, padded vocabulary only if its extra ids are masked so they are never drafted),
+the draft's own paged KV pool, and the draft forwards of each step.
+
+KV: the draft's pool (`kv_pool.PagedKVPool`, the draft's layer count and head shape) has exactly
+the target pool's block ids: a block the scheduler gives a request holds the target's K/V in the
+target pool and the draft's in this one, so one block costs both (the runner sizes the pool from
+their sum) and swap copies both. The draft writes every position the target writes, in the same
+step, so its KV is valid wherever the target's is (prefix-cache hits included) — with one
+exception: when every draft of a step is accepted, the last draft's position was never fed to the
+draft; the next step feeds it first (`_pending`).
+
+Per step (`prepare`): one batched draft forward over every scheduled token of the step (prefill
+chunks catch up as the target computes them; a decode's token; a pending token), whose last row
+per drafting sequence gives draft 1, then one batched forward per further lookahead position for
+the sequences still drafting: k forwards for k drafts. A greedy request drafts the argmax; a
+sampling one draws from q (the draft's distribution under the request's temperature / top-k /
+top-p), kept for verification's min(1, p/q) rule (`Sampler.verify`). A failing draft forward
+disables the proposer (`failed`), logged once: the target keeps serving without drafts.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from magnitude.engine.output import ScheduledSeq, StepPlan
+from magnitude.engine.sampling import SamplingParams
+from magnitude.runner.attention import SeqSlice, build_paged_batch
+from magnitude.runner.kv_pool import KVShape, PagedKVPool
+from magnitude.runner.sampling import draw, filter_logits, seeded_uniforms
+
+log = logging.getLogger("magnitude.runner.draft")
+
+SELF_PREFIX = "self:"
+# A sampled draft's uniform in a seeded request's per-position stream (0 and 1 are verification's).
+DRAFT_UNIFORM = 2
+
+
+class DraftModelError(ValueError):
+    """The draft model cannot serve as this target's draft (cannot load, or tokenizers differ)."""
+
+
+@dataclass(slots=True)
+class DraftParts:
+    """What a draft is made of: a decoder returning hidden states, a head, and their shapes."""
+
+    name: str
+    decoder: torch.nn.Module  # called like the runner's model.model: (input_ids, position_ids, magnitude_batch)
+    head: Callable[[], torch.nn.Module]  # the LM head, looked up per call (quantization may replace it)
+    config: Any
+    weight_bytes: int  # memory the draft adds (0 for a self-draft: it shares the target's weights)
+
+
+def kv_shape(config: Any, block_size: int, dtype: torch.dtype) -> KVShape:
+    return KVShape(
+        num_layers=int(config.num_hidden_layers),
+        num_kv_heads=int(config.num_key_value_heads),
+        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+def self_draft(model: torch.nn.Module, spec: str) -> DraftParts:
+    """`self:N`: the target's first N decoder layers, final norm and LM head, sharing its weights."""
+    text = spec.removeprefix(SELF_PREFIX)
+    total = len(model.model.layers)
+    if not text.isdigit() or not 1 <= int(text) < total:
+        raise DraftModelError(f"draft model {spec!r}: self:N needs 1 <= N < {total} (the target's decoder layers)")
+    n = int(text)
+    inner = model.model
+    shallow = copy.copy(inner)  # a new module object; its submodules are the target's own
+    shallow._modules = dict(inner._modules)
+    shallow._modules["layers"] = torch.nn.ModuleList(list(inner.layers)[:n])
+    config = copy.copy(inner.config)
+    config.num_hidden_layers = n
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:n]
+    shallow.config = config
+    return DraftParts(spec, shallow, lambda: model.lm_head, config, 0)
+
+
+def loaded_draft(model: torch.nn.Module, name: str) -> DraftParts:
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return DraftParts(name, model.model, lambda: model.lm_head, model.config, weight_bytes)
+
+
+def check_tokenizers(target_tok: Any, draft_tok: Any, target_vocab: int, draft_config: Any, target_config: Any,
+                     name: str) -> None:
+    """Refuse, naming the difference, a draft whose tokens would not mean the target's tokens."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        only_t = sorted(set(tv) - set(dv))[:3]
+        only_d = sorted(set(dv) - set(tv))[:3]
+        moved = sorted(t for t in set(tv) & set(dv) if tv[t] != dv[t])[:3]
+        raise DraftModelError(
+            f"draft model {name}: its tokenizer differs from the target's ({len(dv)} vs {len(tv)} tokens; "
+            f"only the target's: {only_t}, only the draft's: {only_d}, other ids: {moved})")
+    for attr in ("eos_token_id", "bos_token_id"):
+        if getattr(target_tok, attr, None) != getattr(draft_tok, attr, None):
+            raise DraftModelError(f"draft model {name}: {attr} {getattr(draft_tok, attr, None)} differs from the "
+                                  f"target's {getattr(target_tok, attr, None)}")
+    draft_vocab = int(draft_config.vocab_size)
+    if draft_vocab < target_vocab:
+        raise DraftModelError(f"draft model {name}: vocabulary of {draft_vocab} ids is smaller than the target's "
+                              f"{target_vocab}")
+    t_len, d_len = int(target_config.max_position_embeddings), int(draft_config.max_position_embeddings)
+    if d_len < t_len:
+        raise DraftModelError(f"draft model {name}: context of {d_len} positions is shorter than the target's {t_len}")
+
+
+def load_draft(spec: str, target: torch.nn.Module, target_tokenizer: Any, device: str, dtype: torch.dtype,
+               progress: Callable[..., None] | None = None) -> DraftParts:
+    """The draft named by `spec` (`self:N`, or any model source `load_model` takes), checked
+    against the target; DraftModelError names the reason when it cannot serve as the draft."""
+    if spec.startswith(SELF_PREFIX):
+        return self_draft(target, spec)
+    from magnitude.runner.attention import ATTN_IMPLEMENTATION
+    from magnitude.runner.loading import ModelSourceError, load_model
+
+    try:
+        loaded = load_model(spec, device, str(dtype).removeprefix("torch."), attn_implementation=ATTN_IMPLEMENTATION,
+                            progress=progress)
+    except (ModelSourceError, OSError, ValueError) as exc:
+        raise DraftModelError(f"draft model {spec}: cannot load: {exc}") from exc
+    check_tokenizers(target_tokenizer, loaded.tokenizer, int(target.config.vocab_size), loaded.model.config,
+                     target.config, spec)
+    return loaded_draft(loaded.model, spec)
+
+
+class DraftModelProposer:
+    """Implements runner.DraftProposer with a draft model; `prepare` runs the step's draft forwards."""
+
+    method = "draft"
+
+    def __init__(self, parts: DraftParts, vocab_size: int, block_size: int, num_blocks: int, num_swap_blocks: int,
+                 device: torch.device, kv_dtype: torch.dtype, seed: int | None = None) -> None:
+        self.parts = parts
+        self.name = parts.name
+        self.vocab_size = vocab_size  # the target's: draft ids at or above it are never drafted
+        self.block_size = block_size
+        self.device = device
+        self.pool = PagedKVPool(kv_shape(parts.config, block_size, kv_dtype), num_blocks, num_swap_blocks, device)
+        self.failed: str | None = None  # why drafting stopped for good (a draft forward raised)
+        self._rng = torch.Generator(device=device)
+        if seed is not None:
+            self._rng.manual_seed(seed)
+        else:
+            self._rng.seed()
+        self._pending: dict[str, tuple[int, int]] = {}  # request -> (position, token) not yet fed to the draft
+        self._drafts: dict[str, list[int]] = {}
+        self._q: dict[str, torch.Tensor] = {}
+        self._last_fed: dict[str, int] = {}  # request -> last position the draft was fed this step
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.pool.shape.bytes_per_block
+
+    # -- the runner's hooks ------------------------------------------------------------------------
+
+    def begin_step(self, plan: StepPlan) -> None:
+        """The plan's swaps on the draft's pool (same block ids as the target's); forget released requests."""
+        self.pool.swap_out(plan.swap_out)
+        self.pool.swap_in(plan.swap_in)
+        for rid in plan.released:
+            self._pending.pop(rid, None)
+        self._drafts.clear()
+        self._q.clear()
+        self._last_fed.clear()
+
+    def prepare(self, seqs: list[ScheduledSeq]) -> None:
+        """Feed the step's tokens to the draft and draft for every sequence with a lookahead."""
+        if self.failed is not None or not seqs:
+            return
+        try:
+            self._draft(seqs)
+        except Exception as exc:  # noqa: BLE001 - a broken draft costs the speedup, never a request
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self._drafts.clear()
+            self._q.clear()
+            log.error("draft model %s failed (%s): serving without speculation from now on", self.name, self.failed)
+
+    def propose(self, seq: ScheduledSeq, k: int) -> list[int]:
+        return self._drafts.get(seq.request_id, [])[:k]
+
+    def draft_probs(self, request_id: str, n: int) -> torch.Tensor | None:
+        """q of the first `n` drafts of a sampling request ([n, vocab]); None for greedy rows."""
+        q = self._q.get(request_id)
+        return None if q is None else q[:n]
+
+    def end_step(self, seq: ScheduledSeq, num_drafts: int, num_kept: int) -> None:
+        """After verification: `num_kept` tokens were emitted (num_kept - 1 drafts accepted). When the
+        last accepted draft's position was never fed to the draft, feed it at the next step."""
+        last_fed = self._last_fed.get(seq.request_id)
+        if last_fed is None or num_drafts == 0:
+            return
+        accepted = min(num_kept - 1, num_drafts)
+        p = seq.start_position + len(seq.token_ids) - 1
+        if accepted >= 1 and p + accepted > last_fed:
+            self._pending[seq.request_id] = (p + accepted, self._drafts[seq.request_id][accepted - 1])
+
+    # -- the forwards ------------------------------------------------------------------------------
+
+    def _forward(self, slices: list[SeqSlice], ids: list[int], positions: list[int]) -> torch.Tensor:
+        batch = build_paged_batch(slices, self.block_size, self.pool.k_layers, self.pool.v_layers, self.device)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        return self.parts.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                  magnitude_batch=batch).last_hidden_state[0]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.parts.head()(hidden)
+        cap = getattr(self.parts.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits[:, : self.vocab_size].float()  # a padded vocabulary's extra ids are never drafted
+
+    def _choose(self, logits: torch.Tensor, seqs: list[ScheduledSeq], j: int) -> list[int]:
+        """Draft j (0-based) of each row: the argmax for greedy requests, a draw from q otherwise."""
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        if rows:
+            params: list[SamplingParams] = [seqs[i].sampling for i in rows]
+            q = torch.softmax(filter_logits(logits[rows], params), dim=-1)
+            uniforms = torch.rand(len(rows), generator=self._rng, device=logits.device)
+            for r, i in enumerate(rows):
+                s = seqs[i]
+                if s.sampling.seed is not None:
+                    uniforms[r] = seeded_uniforms(s.sampling.seed, s.num_output_tokens + j, DRAFT_UNIFORM + 1,
+                                                  logits.device)[DRAFT_UNIFORM]
+            for r, (i, token) in enumerate(zip(rows, draw(q, uniforms))):
+                tokens[i] = token
+                rid = seqs[i].request_id
+                prev = self._q.get(rid)
+                self._q[rid] = q[r : r + 1] if prev is None else torch.cat([prev, q[r : r + 1]])
+        return tokens
+
+    @torch.inference_mode()
+    def _draft(self, seqs: list[ScheduledSeq]) -> None:
+        slices, ids, positions = [], [], []
+        offset = 0
+        for s in seqs:
+            start, toks = s.start_position, list(s.token_ids)
+            pending = self._pending.pop(s.request_id, None)
+            if pending is not None and pending[0] == start - 1:
+                start, toks = start - 1, [pending[1], *toks]
+            slices.append(SeqSlice(offset, len(toks), start, s.block_table))
+            ids.extend(toks)
+            positions.extend(range(start, start + len(toks)))
+            offset += len(toks)
+        hidden = self._forward(slices, ids, positions)
+        drafting = [i for i, s in enumerate(seqs) if s.sample and s.num_lookahead > 0]
+        if not drafting:
+            return
+        ends = np.cumsum([sl.n for sl in slices]) - 1
+        active = [seqs[i] for i in drafting]
+        rows = torch.tensor([int(ends[i]) for i in drafting], device=self.device)
+        for s in active:
+            self._drafts[s.request_id] = []
+            self._last_fed[s.request_id] = s.start_position + len(s.token_ids) - 1
+        tokens = self._choose(self._logits(hidden[rows]), active, 0)
+        for j in range(1, max(s.num_lookahead for s in active) + 1):
+            for s, t in zip(active, tokens):
+                self._drafts[s.request_id].append(t)
+            active_tokens = [(s, t) for s, t in zip(active, tokens) if s.num_lookahead > j]
+            if not active_tokens:
+                return
+            active = [s for s, _ in active_tokens]
+            pos = [s.start_position + len(s.token_ids) - 1 + j for s in active]
+            slices = [SeqSlice(i, 1, p, s.block_table) for i, (s, p) in enumerate(zip(active, pos))]
+            hidden = self._forward(slices, [t for _, t in active_tokens], pos)
+            for s, p in zip(active, pos):
+                self._last_fed[s.request_id] = p
+            tokens = self._choose(self._logits(hidden), active, j)
+
+
+__all__ = ["DraftModelError", "DraftModelProposer", "DraftParts", "SELF_PREFIX", "check_tokenizers", "load_draft",
+           "self_draft"]
