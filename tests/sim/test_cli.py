@@ -98,7 +98,7 @@ def test_bad_trace_fields_name_the_line_and_key(tmp_path, capsys, line, expected
         (["scheduler.tokenBudget"], "expected KEY=VALUE"),
         (["scheduler.priorityClasses.5.priority=1"], "'5' is not an index of the list (length 3)"),
         (["scheduler.defaultPriorityClass=gold"], "defaultPriorityClass: 'gold' is not one of the priorityClasses"),
-        (["draftModel.method=ngram"], "the simulator does not model speculation yet"),
+        (["draftModel.method=ngram"], "draftModel: give the acceptance to simulate"),
         (["draftModel.method=ngram", "draftModel.source=x"], "apply to method draft only"),
     ],
 )

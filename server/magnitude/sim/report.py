@@ -95,6 +95,7 @@ def build_report(result: SimResult, include_steps: bool = True, include_events: 
         "summary": summary,
         "tenants": {k: _group(v, duration) for k, v in sorted(by_tenant.items())},
         "classes": {k: _group(v, duration) for k, v in sorted(by_class.items())},
+        "speculation": result.speculation,  # None without draftModel (sim/speculation.py)
         "requests": [
             {
                 "id": req.request_id,

@@ -18,6 +18,7 @@ from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
 from magnitude.sim.cost import CostModel, resolve_prefill_chunk
+from magnitude.sim.speculation import SpecModel, spec_simulation
 from magnitude.sim.trace import TraceError, TraceRecord, prefix_token_ids
 
 DEFAULT_SIM_BLOCKS = 2048  # when kvCache.numBlocks is null (the engine sizes it from memory)
@@ -45,6 +46,7 @@ class SimResult:
     steps: list[StepRecord] = field(default_factory=list)
     events: list[SchedulerEvent] = field(default_factory=list)
     end_time: float = 0.0
+    speculation: dict[str, object] | None = None  # sim/speculation.py's figures when draftModel is set
 
 
 class CostModelRunner:
@@ -94,11 +96,15 @@ def check_trace(records: list[TraceRecord], config: EngineConfig, source: str = 
             )
 
 
-def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostModel, keep_events: bool = True) -> SimResult:
+def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostModel, keep_events: bool = True,
+             speculation: SpecModel | None = None) -> SimResult:
+    """`speculation`: the acceptance and draft cost to simulate a config's draftModel with (sim/speculation.py)."""
     config = resolve_sim_config(config, cost_model)
     check_trace(records, config)
     sched = Scheduler(config, cost_model=cost_model)
-    runner = CostModelRunner(cost_model)
+    spec = spec_simulation(config, cost_model, speculation,
+                           {r.id: r.priority_class or config.scheduler.default_priority_class for r in records})
+    runner = spec if spec is not None else CostModelRunner(cost_model)
     heap = EventHeap()
     pairs = [(rec, to_request(rec, config)) for rec in records]
     result = SimResult(config, cost_model.name, pairs)
@@ -116,6 +122,8 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
         if kind == STEP_END:
             plan, output, start = payload
             sched.update_from_output(plan, output, now)
+            if spec is not None:
+                spec.after_step(sched, plan, output)
             result.steps.append(_record(plan, start, now - start, sched))
             in_flight = None
         elif kind == CANCEL:
@@ -139,6 +147,8 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
     if keep_events:
         result.events.extend(sched.drain_events())
     result.end_time = now
+    if spec is not None:
+        result.speculation = spec.stats.to_dict()
     return result
 
 
