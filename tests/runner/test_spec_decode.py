@@ -15,10 +15,9 @@ import pytest
 from magnitude.engine.request import Request
 from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
-from magnitude.policy.load import resolve_config
 from magnitude.runner.spec_decode import NgramProposer
 
-from .conftest import MAX_NEW
+from .conftest import MAX_NEW, drive_scheduler, without_eos
 
 pytestmark = pytest.mark.model
 
@@ -40,33 +39,11 @@ def _proposer(runner, proposer):
 
 def _drive(runner, prompts: list[list[int]], sampling: SamplingParams, *sets: str,
            cancel: tuple[str, int] | None = None) -> tuple[Scheduler, dict[str, list[int]], dict[str, Request], int]:
-    sched = Scheduler(resolve_config(None, [f"kvCache.numBlocks={runner.num_blocks}", *sets]))
-    now = 0.0
-    reqs = {}
-    for i, ids in enumerate(prompts):
-        req = Request(f"r{i}", list(ids), len(ids), sampling, now, eos_token_ids=runner.eos_token_ids)
-        assert sched.add_request(req, now).accepted
-        reqs[req.request_id] = req
-    outputs: dict[str, list[int]] = {rid: [] for rid in reqs}
-    steps = 0
-    while sched.has_work():
-        if cancel is not None and steps == cancel[1]:
-            sched.abort(cancel[0], now)
-        plan = sched.schedule(now)
-        out = runner.execute(plan)
-        assert not out.failed, out.failed
-        now += 1.0
-        for u in sched.update_from_output(plan, out, now):
-            outputs[u.request_id].extend(u.new_token_ids)
-        steps += 1
-        assert steps < 500, "scheduler + runner did not converge"
-    stats = sched.stats()
-    assert stats.kv_used_blocks == 0 and stats.swap_used_blocks == 0, "blocks leaked"
-    return sched, outputs, reqs, steps
+    run = drive_scheduler(runner, prompts, sampling, *sets, cancel=cancel)
+    return run.sched, run.outputs, run.reqs, run.steps
 
 
-def _without_eos(ref: list[int], eos: list[int]) -> list[int]:
-    return ref[:-1] if ref and ref[-1] in eos else ref
+_without_eos = without_eos
 
 
 def _greedy() -> SamplingParams:
