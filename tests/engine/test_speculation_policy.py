@@ -56,3 +56,15 @@ def test_steps_without_drafts_measure_off_while_it_stays_on() -> None:
     for _ in range(10):
         p.observe(0.020, 1, 1, prefill=False, drafted=True)  # drafts now all rejected
     assert not p.enabled
+
+
+def test_time_saved_is_estimated_against_the_measured_plain_step_in_every_mode() -> None:
+    """The engine's time-saved metric: tokens per sequence x plain step time - the drafted step's time."""
+    for mode in ("on", "off", "auto"):
+        p = SpeculationPolicy(mode, min_samples=100)  # no switching: only the estimate is under test
+        assert p.saved_seconds(0.020, 2, 8) is None  # no plain step measured yet
+        p.observe(0.010, 2, 2, prefill=False, drafted=False)
+        p.observe(0.500, 2, 2, prefill=True, drafted=False)  # a prefill step measures nothing
+        assert p.saved_seconds(0.020, 2, 8) == pytest.approx(4 * 0.010 - 0.020)  # 4 tokens each for 2 steps' time
+        assert p.saved_seconds(0.030, 2, 2) == pytest.approx(0.010 - 0.030)  # all rejected: time lost
+        assert p.saved_seconds(0.030, 0, 0) is None

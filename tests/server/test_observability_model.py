@@ -9,7 +9,10 @@ preemption happen with a handful of requests) serves a short mixed trace:
   `priority`), and it resumes (`admit`/`resumed`, `lost_ms`) and finishes; its timeline says
   exactly that, and its timing parts add up to e2e;
 - shedding the batch class turns a batch request into a 429 that the decision log explains;
-- a streamed request closed by the client (cancelled), and plain requests of each class.
+- a streamed request closed by the client (cancelled), and plain requests of each class;
+- prompt lookup (draftModel ngram, mode on) drafts for every request, and a copy-heavy request
+  gets most of its drafts accepted: the speculation panels (acceptance, tokens per target step,
+  time saved) have data.
 
 Two Prometheus servers (e2e/.bin/prometheus) scrape the engine every second, one labelling the
 series as annotation-based pod scraping does (namespace, pod, pod labels through labelmap), one
@@ -179,9 +182,13 @@ def engine() -> Iterator[RunningServer]:
         # No aging: on this loaded machine the victim may wait long enough to outrank the newcomer.
         "scheduler": {"tokenBudget": 64, "prefillChunkSize": 64, "maxSequences": 8, "preemptionMode": "recompute",
                       "agingSecondsPerLevel": None},
+        "draftModel": {"method": "ngram", "mode": "on", "numSpeculativeTokens": 2},
     })
     metrics = EngineMetrics(tenant_labels=config.tenant_labels, compat="vllm", service_version="0123abcdef")
-    load = lambda progress: ModelRunner(num_blocks=24, block_size=16, progress=progress)  # noqa: E731
+    from magnitude.runner.spec_decode import NgramProposer
+
+    load = lambda progress: ModelRunner(num_blocks=24, block_size=16, progress=progress,  # noqa: E731
+                                        draft_proposer=NgramProposer())
     with serve(load, config, ServerSettings(admin_token="adm"), metrics=metrics) as s:
         yield s
 
@@ -238,6 +245,10 @@ def run_trace(s: RunningServer) -> dict[str, Any]:
             assert client.post(v1, json=chat(words(60), "standard", 2)).status_code == 200
         for cls in ("standard", "interactive", "batch"):
             assert client.post(v1, json=chat(words(14), cls, 3)).status_code == 200
+        # 5. a copy-heavy answer: prompt lookup's drafts are mostly accepted
+        passage = "the keeper lit the lamp at dusk and wrote the weather in his log"
+        copy = chat(f"Repeat exactly: {passage}. {passage}. {passage}.", "standard", 24)
+        assert client.post(v1, json=copy).status_code == 200
     return out
 
 
@@ -296,6 +307,14 @@ def test_timelines_metrics_and_every_dashboard_query_on_the_real_model(engine: R
         assert engine.metric("magnitude_kv_cache_allocation_failures_total") >= 1
         assert engine.metric("magnitude_prefix_cache_hits_total") >= 1
         assert engine.metric("magnitude_requests_finished_total", status="cancelled") == 1
+        for name in ("magnitude_spec_decode_tokens_per_step_bucket", "magnitude_spec_decode_time_saved_seconds_total",
+                     "magnitude_spec_decode_time_lost_seconds_total", "magnitude_spec_decode_enabled"):
+            assert name in names, name
+        proposed = engine.metric("magnitude_spec_decode_draft_tokens_total", priority_class="standard", method="ngram")
+        accepted = engine.metric("magnitude_spec_decode_accepted_tokens_total", priority_class="standard", method="ngram")
+        assert proposed > 0 and accepted > 0, (proposed, accepted)
+        assert engine.metric("magnitude_spec_decode_tokens_per_step_count", priority_class="standard",
+                             method="ngram") > 0
 
         # -- every dashboard query, through each Prometheus ----------------------------------------------
         board = json.loads(DASHBOARD.read_text())

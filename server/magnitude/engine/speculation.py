@@ -10,7 +10,9 @@ it is measured while speculation is on too. Speculation pays when
 
 Starting on, it switches off when the measured gain falls below 1; while off it probes "on" again
 every `probe_every` steps (acceptance changes with the workload: only drafting measures it) and
-stays on if the gain exceeds 1 + `margin`. Modes `on` and `off` never change the state.
+stays on if the gain exceeds 1 + `margin`. Modes `on` and `off` never change the state, but the
+costs are measured in every mode: `saved_seconds` estimates what each drafted step saved against
+the measured plain step (the engine's time-saved metric).
 """
 
 from __future__ import annotations
@@ -53,18 +55,20 @@ class SpeculationPolicy:
         """One finished step: its duration, how many sequences decoded, how many tokens they got,
         whether it also computed prefill, whether any decode carried drafts. Returns whether
         speculation should be on next step."""
-        if self.mode != "auto":
-            return self.enabled
-        self._since_switch += 1
+        if self.mode == "auto":
+            self._since_switch += 1
         if prefill or num_decodes <= 0 or step_s <= 0:
             return self.enabled
         # A step without drafts costs what a step with speculation off costs, whatever the state
         # (prompt lookup found no match): it measures "off" for free; only drafted steps measure "on".
+        # Measured in every mode: the time-saved estimate needs the "off" cost too.
         if drafted:
             self._on_step.add(step_s, self.alpha)
             self._on_tokens.add(num_tokens / num_decodes, self.alpha)
         else:
             self._off_step.add(step_s, self.alpha)
+        if self.mode != "auto":
+            return self.enabled
         gain = self.gain()
         if gain is None:
             if self.enabled and self._on_step.samples >= self.min_samples:
@@ -87,6 +91,15 @@ class SpeculationPolicy:
         if self._on_step.value is None or self._off_step.value is None or self._on_tokens.value is None:
             return None
         return (self._on_tokens.value / self._on_step.value) * self._off_step.value
+
+    def saved_seconds(self, step_s: float, num_decodes: int, num_tokens: int) -> float | None:
+        """Estimated time a drafted decode step saved (negative: lost) against speculation off:
+        its sequences gained num_tokens / num_decodes tokens each, which without drafts would take
+        that many steps at the measured plain step cost; minus what the step took. None until a
+        plain step was measured."""
+        if self._off_step.value is None or num_decodes <= 0:
+            return None
+        return num_tokens / num_decodes * self._off_step.value - step_s
 
     def _switch(self) -> None:
         self.enabled = not self.enabled

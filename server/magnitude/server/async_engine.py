@@ -518,9 +518,14 @@ class AsyncEngine:
             tr = self._tracked.get(seq.request_id)
             if proposed and tr is not None:
                 self.metrics.observe_speculation(tr.spec.priority_class, self.spec_method, proposed, len(sampled) - 1)
+                self.metrics.observe_spec_step(tr.spec.priority_class, self.spec_method, len(sampled))
+        prefill, drafted = stats.num_prefill_tokens > 0, bool(output.num_drafts)
+        if drafted and not prefill:  # estimated against the plain step cost measured so far
+            saved = self.speculation.saved_seconds(stats.duration_s, decodes, tokens)
+            if saved is not None:
+                self.metrics.observe_time_saved(self.spec_method, saved)
         was = self.speculation.enabled
-        on = self.speculation.observe(stats.duration_s, decodes, tokens, prefill=stats.num_prefill_tokens > 0,
-                                      drafted=bool(output.num_drafts))
+        on = self.speculation.observe(stats.duration_s, decodes, tokens, prefill=prefill, drafted=drafted)
         if on != was:
             log.info("speculation %s (auto: measured gain %s)", "on" if on else "off", self.speculation.gain())
             self.loop.scheduler.set_speculation(on)

@@ -28,6 +28,8 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 
 OCCUPANCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 METRICS_COMPAT = ("none", "vllm")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+# Tokens a drafted decode gains per target step: 1 (all drafts rejected) .. numSpeculativeTokens + 1.
+SPEC_TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
 class StepStatsLike(Protocol):
@@ -108,6 +110,13 @@ class EngineMetrics:
         self._ever_shed: set[str] = set()
         self.engine_ready = g("engine_ready", "1 when the model is loaded and the engine loop runs.")
         self.model_load_seconds = g("model_load_seconds", "Seconds the model took to load at startup.")
+        # What the scheduler runs with; source: set (the config's), derived (from the measured cost
+        # model and the ITL target), static (null with no cost model: the fixed defaults).
+        self.scheduler_token_budget = g("scheduler_token_budget", "Most tokens one step computes.", ("source",))
+        self.scheduler_prefill_chunk = g("scheduler_prefill_chunk_tokens", "Most prompt tokens one sequence "
+                                         "computes in one step.", ("source",))
+        self.scheduler_itl_target = g("scheduler_itl_target_seconds", "The ITL target each step's predicted time "
+                                      "stays within while requests decode (absent: no per-step bound).", ("source",))
         self.model_info = g("model_info", "1 for the loaded model; labels say what it is and how it runs.",
                             ("model", "device", "dtype", "quantization", "service_version"))
         q = ("model", "method")
@@ -160,6 +169,19 @@ class EngineMetrics:
         self.spec_enabled = Gauge(PREFIX + "spec_decode_enabled",
                                   "1 while drafts are proposed by this method (auto mode switches it), else 0.",
                                   ("method",), registry=r)
+        self.spec_tokens_per_step = h(
+            "spec_decode_tokens_per_step",
+            "Per decode that carried drafts: tokens it gained in that target step (1 + accepted drafts); "
+            "_count is the number of drafted decodes, _sum / _count the mean tokens per target step.",
+            SPEC_TOKEN_BUCKETS, labels=spec)
+        self.spec_time_saved = c(
+            "spec_decode_time_saved_seconds",
+            "Estimated decode time drafting saved: per drafted decode step, the tokens per sequence times the "
+            "measured plain step time, minus the step's time, where positive.", ("method",))
+        self.spec_time_lost = c(
+            "spec_decode_time_lost_seconds",
+            "The same estimate where negative (a drafted step that cost more than the plain steps it replaced): "
+            "net saving = time_saved - time_lost.", ("method",))
         if compat == "vllm":
             self.registry.register(_VllmView(self))
 
@@ -245,6 +267,13 @@ class EngineMetrics:
         self.registry.register(_DecisionCounts(counts))
 
     # -- state ------------------------------------------------------------------------------
+    def set_scheduler_limits(self, token_budget: int, prefill_chunk: int, itl_target_ms: float | None,
+                             source: str) -> None:
+        self.scheduler_token_budget.labels(source).set(token_budget)
+        self.scheduler_prefill_chunk.labels(source).set(prefill_chunk)
+        if itl_target_ms is not None:
+            self.scheduler_itl_target.labels(source).set(itl_target_ms / 1000.0)
+
     def set_model_info(self, model: str, device: str, dtype: str, quantization: str) -> None:
         self.model_name = model
         self.model_info.labels(model, device, dtype, quantization, self.service_version or "none").set(1)
@@ -271,6 +300,15 @@ class EngineMetrics:
 
     def set_speculation_enabled(self, method: str, enabled: bool) -> None:
         self.spec_enabled.labels(method).set(1 if enabled else 0)
+        self.spec_time_saved.labels(method)  # the series exist from the start: rate() needs no first event
+        self.spec_time_lost.labels(method)
+
+    def observe_spec_step(self, priority_class: str, method: str, tokens: int) -> None:
+        """One decode that carried drafts gained `tokens` in its target step."""
+        self.spec_tokens_per_step.labels(priority_class, method).observe(tokens)
+
+    def observe_time_saved(self, method: str, seconds: float) -> None:
+        (self.spec_time_saved if seconds >= 0 else self.spec_time_lost).labels(method).inc(abs(seconds))
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
