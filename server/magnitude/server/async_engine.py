@@ -229,6 +229,9 @@ class AsyncEngine:
         # Called (loop thread) once the engine loop has died and its requests were failed:
         # `magnitude serve` makes the process exit so that the pod is restarted.
         self.on_engine_dead: Callable[[BaseException], None] | None = None
+        # Called with the exception when loading fails (`magnitude serve` exits 2 on a refused draft model).
+        self.on_load_failed: Callable[[BaseException], None] | None = None
+        self._draft_failure_seen = False
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -282,6 +285,8 @@ class AsyncEngine:
             log.exception("model loading failed")
             self.error = f"{type(exc).__name__}: {exc}"
             self.phase = "failed"
+            if self.on_load_failed is not None:
+                self.on_load_failed(exc)
         finally:
             self._ready_event.set()
 
@@ -504,9 +509,26 @@ class AsyncEngine:
         self._queue_positions()
         self._flush()
 
+    def _draft_failed(self) -> bool:
+        """Whether the runner's draft model failed at run time (runner/draft_model.py: it drafts no
+        more): the first time, speculation is switched off for good and
+        magnitude_spec_decode_enabled{method} goes to 0, whatever mode says."""
+        assert self.loop is not None
+        reason = getattr(getattr(self.runner, "draft_proposer", None), "failed", None)
+        if reason is None:
+            return False
+        if not self._draft_failure_seen:
+            self._draft_failure_seen = True
+            log.error("speculation off for good: the draft model failed (%s)", reason)
+            self.loop.scheduler.set_speculation(False)
+            self.metrics.set_speculation_enabled(self.spec_method, False)
+        return True
+
     def _observe_speculation(self, plan: StepPlan, output: RunnerOutput, stats: StepStats) -> None:
         """Draft counters per priority class, and the auto policy's decision for the next step."""
         assert self.loop is not None and self.speculation is not None
+        if self._draft_failed():
+            return
         decodes = tokens = 0
         for seq in plan.seqs:
             sampled = output.sampled.get(seq.request_id)
