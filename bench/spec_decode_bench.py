@@ -1,15 +1,19 @@
-"""Speculative decoding by prompt lookup: single-stream decode speed with speculation off, on, auto.
+"""Speculative decoding by prompt lookup: decode speed, ITL and E2E with speculation off, on, auto,
+single stream and at batch 8.
 
-    .venv/bin/python bench/spec_decode_bench.py [--max-tokens 64] [--threads 2] [--k 4]
+    .venv/bin/python bench/spec_decode_bench.py [--max-tokens 64] [--threads 2] [--k 4] [--batches 1,8]
 
-Two traces, each request served alone (single stream) by the real scheduler driving the real
-ModelRunner (SmolLM2-135M, float32, greedy): a copy-heavy trace (rewrite or answer from a given
-passage: the output repeats spans of the prompt) and a chat trace (short questions in the chat
-template). Modes: off (no draft), ngram (draftModel mode on), auto (engine/speculation.py deciding
-from the measured step times, fed as AsyncEngine feeds it). Prints per trace and mode: decode
-tokens/s (output tokens after the first / time from the first token to the last), ITL p50/p99
-per token (tokens that land together count as gaps of 0) and the draft acceptance rate. Greedy
-outputs are checked equal across modes. Timings depend on the host: not a test.
+Two traces served by the real scheduler driving the real ModelRunner (SmolLM2-135M, float32,
+greedy): a copy-heavy trace (rewrite or answer from a given passage: the output repeats spans of
+the prompt) and a chat trace (short questions in the chat template). Batch 1: each request alone
+(single stream), one after another; batch 8: eight requests arriving together (the trace's prompts
+cycled). Modes: off (no draft), ngram (draftModel mode on), auto (engine/speculation.py deciding
+from the measured step times, fed as AsyncEngine feeds it). Prints per trace, batch and mode:
+decode tokens/s (output tokens after each request's first / time from the first token to the
+last: summed per request at batch 1, the batch's span at batch 8), ITL p50/p99 per token (tokens
+that land together count as gaps of 0), E2E p50/p99 (arrival to last token) and the proposer's
+draft acceptance (accepted / proposed). Greedy outputs are checked equal across modes. Timings
+depend on the host: not a test.
 """
 
 from __future__ import annotations
@@ -53,9 +57,11 @@ CHAT = [
 ]
 
 
-def serve_one(runner: ModelRunner, ids: list[int], max_tokens: int, mode: str, k: int, proposer: NgramProposer,
-              policy: SpeculationPolicy | None) -> dict:
-    sets = [f"kvCache.numBlocks={runner.num_blocks}", "kvCache.enablePrefixCaching=false"]
+def serve(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, mode: str, k: int,
+          proposer: NgramProposer, policy: SpeculationPolicy | None) -> dict:
+    """Serve `prompts` together (all arrive at once; one prompt = single stream) to the end."""
+    sets = [f"kvCache.numBlocks={runner.num_blocks}", "kvCache.enablePrefixCaching=false",
+            f"scheduler.maxSequences={max(8, len(prompts))}", "scheduler.tokenBudget=512"]
     if mode != "off":
         sets += ["draftModel.method=ngram", f"draftModel.numSpeculativeTokens={k}",
                  f"draftModel.mode={'on' if mode == 'ngram' else 'auto'}"]
@@ -63,27 +69,34 @@ def serve_one(runner: ModelRunner, ids: list[int], max_tokens: int, mode: str, k
     if policy is not None:
         sched.set_speculation(policy.enabled)  # the policy outlives requests, as in AsyncEngine
     runner.draft_proposer = proposer if mode != "off" else None
-    req = Request("r", list(ids), len(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0), 0.0,
-                  eos_token_ids=runner.eos_token_ids)
-    sched.add_request(req, time.perf_counter())
-    out: list[int] = []
+    start = time.perf_counter()
+    reqs = [Request(f"r{i}", list(ids), len(ids), SamplingParams(max_tokens=max_tokens, temperature=0.0), start,
+                    eos_token_ids=runner.eos_token_ids) for i, ids in enumerate(prompts)]
+    for req in reqs:
+        sched.add_request(req, start)
+    out: dict[str, list[int]] = {req.request_id: [] for req in reqs}
     while sched.has_work():
         t0 = time.perf_counter()
         plan = sched.schedule(t0)
         res = runner.execute(plan)
         now = time.perf_counter()
         for u in sched.update_from_output(plan, res, now):
-            out.extend(u.new_token_ids)
-        if policy is not None:
-            got = res.sampled.get("r", [])
-            on = policy.observe(now - t0, 1 if got and plan.num_decode else 0, len(got),
-                                prefill=any(len(s.token_ids) > 1 for s in plan.seqs), drafted=bool(res.num_drafts))
+            out[u.request_id].extend(u.new_token_ids)
+        if policy is not None:  # fed as AsyncEngine._observe_speculation feeds it
+            decodes = [s for s in plan.seqs if s.sample and len(s.token_ids) == 1 and res.sampled.get(s.request_id)]
+            on = policy.observe(now - t0, len(decodes), sum(len(res.sampled[s.request_id]) for s in decodes),
+                                prefill=any(len(s.token_ids) > 1 or not s.sample for s in plan.seqs),
+                                drafted=bool(res.num_drafts))
             sched.set_speculation(on)
     runner.draft_proposer = None
-    times = req.token_times
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    return {"tokens": out, "decode_s": times[-1] - times[0], "decode_tokens": len(times) - 1, "gaps": gaps,
-            "proposed": req.spec_proposed, "accepted": req.spec_accepted}
+    firsts = [req.token_times[0] for req in reqs]
+    lasts = [req.token_times[-1] for req in reqs]
+    return {"tokens": [out[req.request_id] for req in reqs],
+            "decode_s": max(lasts) - min(firsts) if len(reqs) > 1 else lasts[0] - firsts[0],
+            "decode_tokens": sum(len(req.token_times) - 1 for req in reqs),
+            "gaps": [b - a for req in reqs for a, b in zip(req.token_times, req.token_times[1:])],
+            "e2e": [req.finish_time - req.arrival_time for req in reqs],
+            "proposed": sum(req.spec_proposed for req in reqs), "accepted": sum(req.spec_accepted for req in reqs)}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -100,10 +113,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="numSpeculativeTokens")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--traces", default="copy-heavy,chat", help="comma-separated: copy-heavy, chat")
+    ap.add_argument("--batches", default="1,8", help="comma-separated concurrent streams: 1 (single stream), 8")
     ap.add_argument("--min-ngram", type=int, default=2)
     ap.add_argument("--max-ngram", type=int, default=3)
     args = ap.parse_args()
-    runner = ModelRunner(dtype="float32", num_blocks=256, num_threads=args.threads)
+    runner = ModelRunner(dtype="float32", num_blocks=512, num_threads=args.threads)
     proposer = NgramProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
     tok = runner.tokenizer
     traces = {
@@ -112,37 +126,43 @@ def main() -> None:
                                              tokenize=False))["input_ids"] for p in CHAT],
     }
     print(f"SmolLM2-135M float32, {args.threads} threads, greedy, max_tokens {args.max_tokens}, k {args.k}, "
-          f"n-gram {args.min_ngram}..{args.max_ngram}, single stream, {args.repeats} repeat(s)")
-    print(f"{'trace':<11} {'mode':<6} {'decode tok/s':>12} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'acceptance':>10} "
-          f"{'speed-up':>8}")
+          f"n-gram {args.min_ngram}..{args.max_ngram}, {args.repeats} repeat(s)")
+    print(f"{'trace':<11} {'batch':>5} {'mode':<6} {'decode tok/s':>12} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
+          f"{'E2E p50 s':>9} {'E2E p99 s':>9} {'acceptance':>10} {'speed-up':>8}")
     for name, prompts in traces.items():
         if name not in args.traces.split(","):
             continue
-        base_rate = None
-        reference: list[list[int]] | None = None
-        for mode in ("off", "ngram", "auto"):
-            secs = toks = prop = acc = 0
-            gaps: list[float] = []
-            outs = []
-            policy = SpeculationPolicy("auto") if mode == "auto" else None
-            for _ in range(args.repeats):
-                for ids in prompts:
-                    r = serve_one(runner, ids, args.max_tokens, mode, args.k, proposer, policy)
-                    secs += r["decode_s"]
-                    toks += r["decode_tokens"]
-                    prop += r["proposed"]
-                    acc += r["accepted"]
-                    gaps += r["gaps"]
-                    outs.append(r["tokens"])
-            if reference is None:
-                reference = outs
-            elif outs != reference:
-                print(f"  !! {name}/{mode}: greedy output differs from off")
-            rate = toks / secs if secs else 0.0
-            base_rate = base_rate or rate
-            accept = f"{acc / prop:.2f}" if prop else "-"
-            print(f"{name:<11} {mode:<6} {rate:>12.1f} {pct(gaps, 0.5) * 1e3:>10.1f} {pct(gaps, 0.99) * 1e3:>10.1f} "
-                  f"{accept:>10} {rate / base_rate:>7.2f}x")
+        for batch in (int(b) for b in args.batches.split(",")):
+            # batch 1: each prompt alone, one after another; batch B: B requests at once (prompts cycled)
+            groups = [[p] for p in prompts] if batch == 1 else [[prompts[i % len(prompts)] for i in range(batch)]]
+            base_rate = None
+            reference: list[list[int]] | None = None
+            for mode in ("off", "ngram", "auto"):
+                secs = toks = prop = acc = 0
+                gaps: list[float] = []
+                e2e: list[float] = []
+                outs = []
+                policy = SpeculationPolicy("auto") if mode == "auto" else None
+                for _ in range(args.repeats):
+                    for group in groups:
+                        r = serve(runner, group, args.max_tokens, mode, args.k, proposer, policy)
+                        secs += r["decode_s"]
+                        toks += r["decode_tokens"]
+                        prop += r["proposed"]
+                        acc += r["accepted"]
+                        gaps += r["gaps"]
+                        e2e += r["e2e"]
+                        outs.append(r["tokens"])
+                if reference is None:
+                    reference = outs
+                elif outs != reference:
+                    print(f"  !! {name}/{batch}/{mode}: greedy output differs from off")
+                rate = toks / secs if secs else 0.0
+                base_rate = base_rate or rate
+                accept = f"{acc / prop:.2f}" if prop else "-"
+                print(f"{name:<11} {batch:>5} {mode:<6} {rate:>12.1f} {pct(gaps, 0.5) * 1e3:>10.1f} "
+                      f"{pct(gaps, 0.99) * 1e3:>10.1f} {pct(e2e, 0.5):>9.2f} {pct(e2e, 0.99):>9.2f} {accept:>10} "
+                      f"{rate / base_rate:>7.2f}x", flush=True)
 
 
 if __name__ == "__main__":
