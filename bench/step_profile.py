@@ -2,7 +2,13 @@
 step preparation and the rest (Python/framework overhead, norms, RoPE, embeddings).
 
     .venv/bin/python bench/step_profile.py [--threads 2] [--decodes 8] [--prefill 64] [--context 256] [--steps 10]
-        [--prefill-start 0]
+        [--prefill-start 0] [--dtype T] [--quantization Q]
+    .venv/bin/python bench/step_profile.py --sweep [--batches 1,2,4,8] [--contexts 100,1000] [--hf-generate 129]
+
+`--sweep` profiles pure decode steps (no prefill) for every batch size x context and prints one
+row per cell (ms per step and the same split); `--hf-generate N` then times Hugging Face
+`generate` (greedy, one stream, N new tokens, its own cache) on the same loaded weights, the
+floor the runner's batch-1 step is compared with.
 
 `--prefill-start S` puts the chunk at positions S..S+prefill (a chunk deep in a long prompt, which
 attends to S earlier tokens): the long-prompt trace's worst step is about `--decodes 12 --context 100
@@ -27,7 +33,10 @@ sys.path[:0] = [str(ROOT / "server")]
 
 from magnitude.runner import ModelRunner  # noqa: E402  (first: sets GOMP_SPINCOUNT before torch loads)
 from magnitude.runner import attention as paged  # noqa: E402
-from magnitude.cli.profile import _plan, blocks_needed  # noqa: E402
+try:  # the plan helpers moved from the profile command into runner/calibration.py
+    from magnitude.runner.calibration import _plan, blocks_needed  # noqa: E402
+except ImportError:
+    from magnitude.cli.profile import _plan, blocks_needed  # noqa: E402
 from magnitude.engine.output import ScheduledSeq  # noqa: E402
 
 import torch  # noqa: E402
@@ -57,6 +66,64 @@ class Timers:
         module.register_forward_hook(post)
 
 
+def _profile(runner: ModelRunner, timers: Timers, decodes: int, prefill: int, context: int, prefill_start: int,
+             steps: int) -> tuple[float, list[tuple[str, float]]]:
+    """Mean step seconds and its split for `decodes` decodes at `context` plus one `prefill` chunk."""
+    plan = _plan(decodes, prefill, context, runner.block_size, 0)
+    if prefill and prefill_start:
+        # The same chunk, deep in its prompt: its block table covers the earlier positions too.
+        chunk = plan.seqs[-1]
+        base = chunk.block_table[0]
+        end = prefill_start + prefill
+        plan.seqs[-1] = ScheduledSeq(chunk.request_id, chunk.token_ids, prefill_start,
+                                     list(range(base, base + -(-end // runner.block_size))), True, chunk.sampling)
+    for _ in range(2):
+        runner.execute(plan)
+    timers.total.clear()
+    prepare = sample = total = 0.0
+    cpu0 = time.process_time()
+    for _ in range(steps):
+        runner.execute(plan)
+        st = runner.last_step
+        prepare, sample, total = prepare + st.prepare_s, sample + st.sample_s, total + st.total_s
+    n = steps
+    t = {k: v / n for k, v in timers.total.items()}
+    attn_all = t["attention incl. q/k/v/o projections"]
+    core = t["paged attention core (cache write, gather, SDPA)"]
+    rows = [
+        ("paged attention core (cache write, gather, SDPA)", core),
+        ("q/k/v/o projections + RoPE", attn_all - core),
+        ("mlp", t["mlp"]),
+        ("norms, residuals, embeddings, layer glue", t["model forward (all layers)"] - attn_all - t["mlp"]),
+        ("lm head (sampled rows only)", t["lm head"]),
+        ("sampling", sample / n),
+        ("step preparation (index tensors)", prepare / n),
+    ]
+    accounted = sum(v for _, v in rows)
+    rows.append(("other (python, dispatch, output)", total / n - accounted))
+    # CPU seconds of the whole process per step: on a shared host, wall time includes waiting for
+    # a core; with --threads 1 this is the step's own work.
+    rows.append(("process CPU time", (time.process_time() - cpu0) / n))
+    return total / n, rows
+
+
+def _hf_generate_ms_per_token(runner: ModelRunner, new_tokens: int) -> tuple[float, float]:
+    """Greedy `generate` on the runner's own model object (plain causal attention without the
+    paged batch), one stream, best of 3: (wall, process CPU) ms per generated token after the first."""
+    ids = runner.tokenizer("The history of the city begins with", return_tensors="pt")["input_ids"].to(runner.device)
+    best = best_cpu = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            t0, c0 = time.perf_counter(), time.process_time()
+            runner.model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
+            t0, c0 = time.perf_counter(), time.process_time()
+            runner.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            best = min(best, (time.perf_counter() - t0 - first) / (new_tokens - 1))
+            best_cpu = min(best_cpu, (time.process_time() - c0 - first_cpu) / (new_tokens - 1))
+    return best * 1000, best_cpu * 1000
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None)
@@ -67,11 +134,20 @@ def main() -> int:
     p.add_argument("--prefill-start", type=int, default=0, help="position of the chunk's first token")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--quantization", default=None, help="none (default) or int8")
+    p.add_argument("--quantization", default=None, help="none, w8a8, w8a16 or w4a16 (default: the runner's)")
+    p.add_argument("--sweep", action="store_true", help="decode-only steps for every --batches x --contexts")
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--contexts", default="100,1000")
+    p.add_argument("--hf-generate", type=int, default=0, metavar="N",
+                   help="also time HF generate of N greedy tokens, one stream, on the same weights")
     args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")] if args.sweep else [args.decodes]
+    contexts = [int(c) for c in args.contexts.split(",")] if args.sweep else [args.context]
+    prefill = 0 if args.sweep else args.prefill
     runner = ModelRunner(device=args.device, dtype=args.dtype, num_threads=args.threads, quantization=args.quantization,
-                         num_blocks=blocks_needed([args.decodes], [max(args.prefill, 1) + args.prefill_start],
-                                                    args.context, 16))
+                         evaluate_quantization=False,
+                         num_blocks=blocks_needed([max(batches)], [max(prefill, 1) + args.prefill_start],
+                                                  max(contexts), 16))
     timers = Timers(runner.device.type == "cuda")
     for layer in runner.model.model.layers:
         timers.hook(layer.self_attn, "attention incl. q/k/v/o projections")
@@ -89,42 +165,29 @@ def main() -> int:
             timers.total["paged attention core (cache write, gather, SDPA)"] += timers.now() - t0
 
     paged.AttentionInterface.register(paged.ATTN_IMPLEMENTATION, timed_attention)
-    plan = _plan(args.decodes, args.prefill, args.context, runner.block_size, 0)
-    if args.prefill and args.prefill_start:
-        # The same chunk, deep in its prompt: its block table covers the earlier positions too.
-        chunk = plan.seqs[-1]
-        base = chunk.block_table[0]
-        end = args.prefill_start + args.prefill
-        plan.seqs[-1] = ScheduledSeq(chunk.request_id, chunk.token_ids, args.prefill_start,
-                                     list(range(base, base + -(-end // runner.block_size))), True, chunk.sampling)
-    for _ in range(2):
-        runner.execute(plan)
-    timers.total.clear()
-    prepare = sample = total = 0.0
-    for _ in range(args.steps):
-        runner.execute(plan)
-        st = runner.last_step
-        prepare, sample, total = prepare + st.prepare_s, sample + st.sample_s, total + st.total_s
-    n = args.steps
-    t = {k: v / n for k, v in timers.total.items()}
-    attn_all = t["attention incl. q/k/v/o projections"]
-    core = t["paged attention core (cache write, gather, SDPA)"]
-    rows = [
-        ("paged attention core (cache write, gather, SDPA)", core),
-        ("q/k/v/o projections + RoPE", attn_all - core),
-        ("mlp", t["mlp"]),
-        ("norms, residuals, embeddings, layer glue", t["model forward (all layers)"] - attn_all - t["mlp"]),
-        ("lm head (sampled rows only)", t["lm head"]),
-        ("sampling", sample / n),
-        ("step preparation (index tensors)", prepare / n),
-    ]
-    accounted = sum(v for _, v in rows)
-    rows.append(("other (python, dispatch, output)", total / n - accounted))
-    print(f"step: {args.decodes} decodes (context {args.context}) + {args.prefill}-token prefill chunk at {args.prefill_start}; "
-          f"device {runner.device}, dtype {runner.dtype}, quantization {runner.quantization}, threads {torch.get_num_threads()}")
-    print(f"mean step time {total / n * 1000:.1f} ms over {n} steps")
-    for name, v in rows:
-        print(f"  {name:50} {v * 1000:8.1f} ms  {100 * v / (total / n):5.1f}%")
+    what = (f"device {runner.device}, dtype {runner.dtype}, quantization {runner.quantization}, "
+            f"threads {torch.get_num_threads()}, ISA {torch.backends.cpu.get_cpu_capability()}")
+    if not args.sweep:
+        mean, rows = _profile(runner, timers, args.decodes, args.prefill, args.context, args.prefill_start, args.steps)
+        print(f"step: {args.decodes} decodes (context {args.context}) + {args.prefill}-token prefill chunk at "
+              f"{args.prefill_start}; {what}")
+        print(f"mean step time {mean * 1000:.1f} ms over {args.steps} steps")
+        for name, v in rows[:-1]:
+            print(f"  {name:50} {v * 1000:8.1f} ms  {100 * v / mean:5.1f}%")
+        print(f"  {rows[-1][0]:50} {rows[-1][1] * 1000:8.1f} ms")
+    else:
+        print(f"decode-only steps, ms (mean of {args.steps}); {what}")
+        short = ["attn core", "qkvo+rope", "mlp", "glue", "lm head", "sampling", "prepare", "other", "cpu"]
+        print(f"{'batch':>5} {'ctx':>5} {'step':>7} " + " ".join(f"{h:>9}" for h in short))
+        for c in contexts:
+            for b in batches:
+                mean, rows = _profile(runner, timers, b, 0, c, 0, args.steps)
+                print(f"{b:5d} {c:5d} {mean * 1000:7.1f} " + " ".join(f"{v * 1000:9.2f}" for _, v in rows))
+    if args.hf_generate:
+        paged.AttentionInterface.register(paged.ATTN_IMPLEMENTATION, inner)
+        wall, cpu = _hf_generate_ms_per_token(runner, args.hf_generate)
+        print(f"HF generate, one stream, {args.hf_generate} greedy tokens on the same weights: "
+              f"{wall:.1f} ms/token (process CPU {cpu:.1f} ms/token)")
     return 0
 
 

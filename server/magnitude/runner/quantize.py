@@ -1,4 +1,13 @@
-"""Int8 quantization of the decoder's linear projections and the LM head (CPU): two methods.
+"""Low-bit weights for the decoder's linear projections and the LM head (CPU): three methods.
+
+- `w4a16` (weight-only, 4-bit): `Int4WeightOnlyLinear` keeps 4-bit weights in groups of 32 input
+  channels with a scale and a minimum per group, the layout of GGUF's Q4_1 blocks, and multiplies
+  through `torch._weight_int4pack_mm_for_cpu` with bf16 activations (the kernel's fast path; fp32
+  activations run a scalar loop on AVX2). A weight that is the de-quantization of Q4_1 blocks (the
+  bundled GGUF's decoder linears) lies on that grid already, so its 4-bit codes are recovered
+  exactly; what w4a16 rounds is the activations, the group scales and the output to bf16. Its LM
+  head is int8 per output channel (`WeightOnlyInt8Linear` with bf16 activations), as GGUFs keep
+  the output matrix above 4 bits (Q8_0 in the bundled one).
 
 - `w8a16` (weight-only): `WeightOnlyInt8Linear` keeps int8 weights with one scale per output
   channel and multiplies activations in the model's dtype (`torch._weight_int8pack_mm`). No
@@ -63,6 +72,10 @@ CALIBRATION_TEXT = (
     "User: Summarize the water cycle. Assistant: Water evaporates, condenses into clouds, falls as rain or snow, "
     'and flows back to the sea. 1, 2, 3, 4, 5. {"name": "value", "n": 42} <html><body>Hello</body></html>'
 )
+
+
+# w4a16's group: 32 input channels, as GGUF's Q4_0/Q4_1 blocks.
+INT4_GROUP = 32
 
 
 class QuantizationError(ValueError):
@@ -175,13 +188,16 @@ class Int8Linear(nn.Module):
 class WeightOnlyInt8Linear(nn.Module):
     """y = x (W_q s)^T (+ b): int8 weights with one scale per output channel; x stays in its dtype."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, activation_dtype: torch.dtype | None = None) -> None:
+        """`activation_dtype`: what x is cast to for the kernel (default: the weight's dtype).
+        bf16 is the kernel's fast path on AVX2: the LM head at one row 6.3 ms against 32 ms with
+        fp32 activations (`bench/step_profile.py`), so w4a16 uses it for its head."""
         super().__init__()
         w = linear.weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / _QMAX
         # [out, in] contiguous int8 and scales in the activations' dtype: what the kernel takes.
         self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8).contiguous())
-        self.register_buffer("weight_scale", scale.to(linear.weight.dtype))
+        self.register_buffer("weight_scale", scale.to(activation_dtype or linear.weight.dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -195,7 +211,62 @@ class WeightOnlyInt8Linear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel W, A in model dtype"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel W, "
+                f"A in {str(self.weight_scale.dtype).removeprefix('torch.')}")
+
+
+def int4_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (codes [N, K] int32 in 0..15, scale [N, K/group], minimum [N, K/group]):
+    asymmetric round-to-nearest per group, w ~ codes * scale + minimum: Q4_1's own quantizer
+    (minimum = the group's smallest weight, scale = its range / 15), so the de-quantization of Q4_1
+    blocks maps back onto the same codes."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo = g.amin(dim=-1)
+    scale = (g.amax(dim=-1) - lo) / 15.0
+    # A constant group has range 0: any scale reproduces it with code 0.
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((g - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
+    return codes.reshape(n, k), scale, lo
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x W^T (+ b) with W in 4-bit groups of 32 input channels (a scale and a minimum each) and
+    x, scales and y in bf16 inside the kernel; the result is returned in x's dtype.
+
+    `grid_error` is the largest |W - dequant(codes)| relative to the group's scale: ~0 when W was
+    already on a 4-bit grid (de-quantized Q4_1), up to 0.5 otherwise."""
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
+        super().__init__()
+        w = linear.weight.detach()
+        n, k = w.shape
+        if k % group:
+            raise QuantizationError(f"w4a16 needs input features divisible by {group}; a linear has {k}")
+        codes, scale, lo = int4_codes(w, group)
+        recon = codes.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]
+        err = (recon - w.float().reshape(n, k // group, group)).abs().amax(dim=-1)
+        self.grid_error = float((err / scale.clamp(min=1e-30)).where(scale > 0, torch.zeros_like(err)).max())
+        # The kernel's convention: w = (code - 8) * scale + zero, so zero = minimum + 8 * scale.
+        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scale.t(), (lo + 8.0 * scale).t()], dim=-1).to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.in_features = k
+        self.out_features = n
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"4-bit W (groups of {self.group}, scale + min), A in bf16")
 
 
 def check_quantization(quantization: str | None, device: torch.device) -> str:
@@ -235,6 +306,16 @@ def quantize_linears(model: nn.Module, quantization: str | None, device: torch.d
     if method == "w8a16":
         for parent, name, child in targets:
             setattr(parent, name, WeightOnlyInt8Linear(child))
+        return len(targets)
+    if method == "w4a16":
+        bad = [f"{name} ({c.in_features})" for _, name, c in targets if c.in_features % INT4_GROUP]
+        if bad:  # before replacing any: a half-quantized model would be neither method
+            raise QuantizationError(f"w4a16 needs input features divisible by {INT4_GROUP}: {', '.join(bad)}")
+        for parent, name, child in targets:
+            # The LM head stays 8-bit: GGUFs keep it (tied to the embeddings) above 4 bits, and in
+            # 4 bits SmolLM2's top-1 agreement with fp32 fell to 0.78 (int8: see the record).
+            head = parent is model and name == "lm_head"
+            setattr(parent, name, WeightOnlyInt8Linear(child, torch.bfloat16) if head else Int4WeightOnlyLinear(child))
         return len(targets)
     absmax = calibrate_input_absmax(model, [c for _, _, c in targets], calibration_ids, device) if calibration_ids else {}
     for parent, name, child in targets:
