@@ -1,7 +1,7 @@
 """Which weights on which CPU: step speed and the evaluation record of fp32, bf16, w8a8 and w8a16.
 
 For each variant, one `ModelRunner` on the bundled SmolLM2 measures (with `magnitude profile`'s
-`profile_runner`, median of --repeats after one unmeasured run) a decode step of batch 1, 8 and
+`profile_runner`, fastest of --repeats passes after one unmeasured run) a decode step of batch 1, 8 and
 32 at --context tokens each, and a lone prefill chunk of 64 and 256 tokens, and prints steps/s
 with the ratio to fp32 measured in the same run. Quantized variants also print their evaluation
 record (the one the engine judges before serving; cached under ~/.cache/magnitude like the
@@ -34,7 +34,7 @@ def main() -> None:
 
     import torch
 
-    from magnitude.cli.profile import profile_runner
+    from magnitude.runner.calibration import profile_runner
     from magnitude.engine.quantization import judge, summary
     from magnitude.policy.schema import QuantizationEvaluationPolicy
     from magnitude.runner import ModelRunner

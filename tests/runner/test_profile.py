@@ -7,7 +7,8 @@ import json
 import pytest
 
 from magnitude.cli.main import main
-from magnitude.cli.profile import largest_prefill_chunk, parse_duration, profile_runner
+from magnitude.cli.profile import largest_prefill_chunk, parse_duration
+from magnitude.runner.calibration import profile_runner
 from magnitude.sim.cost import load_cost_model
 
 

@@ -1,8 +1,9 @@
 """`magnitude profile`: measure the real runner's step time and write the simulator's cost model.
 
 Times one real `ModelRunner.execute` over a grid of (decode batch size, prefill tokens): `d`
-decodes at a fixed context length plus one prefill chunk of `p` tokens, the median of
-`--repeats` runs after one unmeasured run. The output is the `table` cost model that
+decodes at a fixed context length plus one prefill chunk of `p` tokens, the fastest of
+`--repeats` passes over the grid after one unmeasured run, with the same function (runner/calibration.py
+`profile_runner`) the engine calibrates itself with at start-up. The output is the `table` cost model that
 `magnitude.sim.cost.load_cost_model` reads (`--cost-model FILE.json`), plus the measured swap cost
 per token. With `--itl-target`, it derives and prints the largest prefill chunk that keeps a
 mixed step (with `--itl-batch` decodes) under the target: the integer the engine uses when
@@ -14,15 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
-import time
 from pathlib import Path
-from typing import Any
 
 from magnitude.cli.errors import UsageError
-from magnitude.engine.output import ScheduledSeq, StepPlan
-from magnitude.engine.sampling import SamplingParams
 from magnitude.runner import QUANTIZATIONS  # torch-free: the package's __init__ only
+from magnitude.runner.calibration import blocks_needed, profile_runner  # torch-free; the engine's calibration too
 from magnitude.sim.cost import TableCost
 
 DEFAULT_DECODES = "0,1,4,8,16"
@@ -61,63 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="as for `magnitude serve`")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-
-
-def _plan(d: int, p: int, context: int, block_size: int, step: int) -> StepPlan:
-    greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    per_seq = -(-(context + 1) // block_size)
-    seqs = [ScheduledSeq(f"d{i}", [100], context, list(range(i * per_seq, (i + 1) * per_seq)), True, greedy)
-            for i in range(d)]
-    if p:
-        base = d * per_seq
-        seqs.append(ScheduledSeq("p", [100] * p, 0, list(range(base, base + -(-p // block_size))), True, greedy))
-    return StepPlan(step, seqs)
-
-
-def blocks_needed(decodes: list[int], prefills: list[int], context: int, block_size: int) -> int:
-    return max(decodes) * -(-(context + 1) // block_size) + -(-max(prefills) // block_size) + 1
-
-
-def _swap_seconds_per_token(runner: Any) -> float:
-    n = min(runner.num_blocks, runner.num_swap_blocks)
-    if n == 0:
-        return 0.0
-    pairs = [(i, i) for i in range(n)]
-    t0 = time.perf_counter()
-    runner.kv.swap_out(pairs)
-    runner.kv.swap_in(pairs)
-    return (time.perf_counter() - t0) / (2 * n * runner.block_size)
-
-
-def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context: int, repeats: int) -> dict:
-    """The cost-model document for this runner (kind `table`)."""
-    seconds: list[list[float]] = []
-    step = 0
-    for d in decodes:
-        row = []
-        for p in prefills:
-            plan = _plan(d, p, context, runner.block_size, step)
-            runner.execute(plan)  # unmeasured: first-shape effects
-            times = [runner.execute(plan).duration_s for _ in range(max(1, repeats))]
-            row.append(max(statistics.median(times), 1e-6))
-            step += 1
-        seconds.append(row)
-    return {
-        "kind": "table",
-        "decode_batch_sizes": decodes,
-        "prefill_tokens": prefills,
-        "seconds": seconds,
-        "per_swap_token": _swap_seconds_per_token(runner),
-        "block_size": runner.block_size,
-        "meta": {
-            "model": runner.model_name,
-            "device": str(runner.device),
-            "dtype": str(runner.dtype).removeprefix("torch."),
-            "decode_context_tokens": context,
-            "repeats": repeats,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        },
-    }
 
 
 def largest_prefill_chunk(doc: dict, decode_batch: int, target_s: float) -> int:

@@ -166,9 +166,14 @@ def make_record(runner: "ModelRunner", ref: Measurement, got: Measurement, metho
     )
 
 
+def cache_key(*parts: str) -> str:
+    """A cache file name for something measured on this machine: the parts plus the ISA description
+    and the torch version, hashed (quantization records here, step-cost tables in calibration.py)."""
+    return hashlib.sha256("|".join([*parts, isa_description(), torch.__version__]).encode()).hexdigest()[:24]
+
+
 def record_key(model_id: str, revision: str, method: str, dtype: torch.dtype) -> str:
-    parts = [model_id, revision, method, str(dtype), isa_description(), torch.__version__, EVAL_SET_HASH]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    return cache_key(model_id, revision, method, str(dtype), EVAL_SET_HASH)
 
 
 def load_cached(directory: Path | None, key: str) -> QuantizationRecord | None:

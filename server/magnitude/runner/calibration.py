@@ -1,0 +1,202 @@
+"""Step-cost calibration: the one measuring function behind `magnitude profile` and the engine's
+start-up `calibrating` phase, and the cache that lets a restart skip it.
+
+`profile_runner` times real `runner.execute` calls over a grid of (decode batch size, prefill
+tokens): `d` decodes at a fixed context length plus one prefill chunk of `p` tokens, the fastest
+of `repeats` passes over the grid. Its result is the simulator's `table` cost model document
+(sim/cost.py reads it; `GET /debug/cost-model` returns it). `calibrated_cost_model` is the engine's
+entry: the cached table for this model, weights and hardware, else a short measurement (the grid
+below, a few seconds on two CPU cores), reported as progress and written to
+`$MAGNITUDE_CACHE/cost-models/<key>.json`.
+
+Torch-free at import (the key's ISA description imports torch only when called), so the CLI can
+import it cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from magnitude.engine.output import ScheduledSeq, StepPlan
+from magnitude.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# The start-up grid: small on purpose (15 cells that do work, 2 passes). The table is interpolated between
+# these points and extrapolated linearly beyond them (sim/cost.py).
+CALIBRATION_DECODES = (0, 1, 4, 16)
+CALIBRATION_PREFILLS = (0, 16, 64, 256)
+CALIBRATION_CONTEXT = 256
+CALIBRATION_REPEATS = 2
+# Bumped when the measurement changes meaning, so cached tables from older code are not reused.
+CALIBRATION_VERSION = "1"
+
+ProgressFn = Callable[[float], None]
+
+
+def _plan(d: int, p: int, context: int, block_size: int, step: int) -> StepPlan:
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    per_seq = -(-(context + 1) // block_size)
+    seqs = [ScheduledSeq(f"d{i}", [100], context, list(range(i * per_seq, (i + 1) * per_seq)), True, greedy)
+            for i in range(d)]
+    if p:
+        base = d * per_seq
+        seqs.append(ScheduledSeq("p", [100] * p, 0, list(range(base, base + -(-p // block_size))), True, greedy))
+    return StepPlan(step, seqs)
+
+
+def blocks_needed(decodes: list[int], prefills: list[int], context: int, block_size: int) -> int:
+    return max(decodes) * -(-(context + 1) // block_size) + -(-max(prefills) // block_size) + 1
+
+
+def _swap_seconds_per_token(runner: Any) -> float:
+    n = min(runner.num_blocks, runner.num_swap_blocks)
+    if n == 0:
+        return 0.0
+    pairs = [(i, i) for i in range(n)]
+    t0 = time.perf_counter()
+    runner.kv.swap_out(pairs)
+    runner.kv.swap_in(pairs)
+    return (time.perf_counter() - t0) / (2 * n * runner.block_size)
+
+
+def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context: int, repeats: int,
+                   progress: ProgressFn | None = None) -> dict:
+    """The cost-model document for this runner (kind `table`). One unmeasured run of the largest
+    cell (first-shape effects), then `repeats` passes over the grid; a cell's time is its fastest
+    pass (other processes only ever add time, and passes spread a burst of their load over the
+    grid), and the table is made non-decreasing along both axes (more work never costs less),
+    which the ITL bound's searches rely on. `progress(fraction)` after each measured cell."""
+    block_size = runner.block_size
+    runner.execute(_plan(max(decodes), max(prefills), context, block_size, 0))
+    cells = [(i, j) for i in range(len(decodes)) for j in range(len(prefills))]
+    best = [[float("inf")] * len(prefills) for _ in decodes]
+    done, total = 0, max(1, repeats) * len(cells)
+    for _ in range(max(1, repeats)):
+        for i, j in cells:
+            d, p = decodes[i], prefills[j]
+            if d or p:  # an empty step does nothing: leave it at the floor
+                best[i][j] = min(best[i][j], runner.execute(_plan(d, p, context, block_size, done + 1)).duration_s)
+            done += 1
+            if progress is not None:
+                progress(done / total)
+    seconds = [[max(v if v != float("inf") else 0.0, 1e-6) for v in row] for row in best]
+    for i, row in enumerate(seconds):
+        for j in range(len(row)):
+            row[j] = max(row[j], row[j - 1] if j else 0.0, seconds[i - 1][j] if i else 0.0)
+    return {
+        "kind": "table",
+        "decode_batch_sizes": decodes,
+        "prefill_tokens": prefills,
+        "seconds": seconds,
+        "per_swap_token": _swap_seconds_per_token(runner),
+        "block_size": block_size,
+        "meta": {
+            "model": runner.model_name,
+            "device": str(runner.device),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "quantization": getattr(runner, "quantization", "none") or "none",
+            "decode_context_tokens": context,
+            "repeats": repeats,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    }
+
+
+def calibration_grid(runner: Any) -> tuple[list[int], list[int], int]:
+    """The start-up grid, shrunk to what this runner's KV pool and context can hold."""
+    context = max(1, min(CALIBRATION_CONTEXT, runner.max_model_len - 1))
+    prefills = [p for p in CALIBRATION_PREFILLS if p < runner.max_model_len] or [0]
+    decodes = list(CALIBRATION_DECODES)
+    while len(decodes) > 2 and blocks_needed(decodes, prefills, context, runner.block_size) > runner.num_blocks:
+        decodes.pop()
+    while len(prefills) > 2 and blocks_needed(decodes, prefills, context, runner.block_size) > runner.num_blocks:
+        prefills.pop()
+    if blocks_needed(decodes, prefills, context, runner.block_size) > runner.num_blocks:
+        raise ValueError(f"the KV pool ({runner.num_blocks} blocks) is too small to calibrate step costs; "
+                         "pass --cost-model FILE (from `magnitude profile`)")
+    return decodes, prefills, context
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int]) -> str:
+    """What the measured times depend on: model source and pinned revision, dtype, weight format,
+    device, CPU model and ISA, torch version (quant_eval.cache_key adds the last two), threads, and
+    the grid itself."""
+    import torch
+
+    from magnitude.runner.quant_eval import cache_key
+
+    src = getattr(runner, "model_source", None)
+    device = str(runner.device)
+    if device.startswith("cuda"):
+        device += f" {torch.cuda.get_device_name(runner.device)}"
+    return cache_key(
+        "cost-model", CALIBRATION_VERSION,
+        getattr(src, "source", "") or runner.model_name, getattr(src, "revision", "") or "",
+        str(runner.dtype), getattr(runner, "quantization", "none") or "none", device, _cpu_model(),
+        f"threads={torch.get_num_threads()}", f"block={runner.block_size}", json.dumps(grid),
+    )
+
+
+def load_cached(directory: Path, key: str) -> dict | None:
+    path = directory / f"{key}.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # a torn or foreign file: measure again
+        log.warning("ignoring unreadable cost model %s: %s", path, exc)
+        return None
+    if not isinstance(doc, dict) or doc.get("kind") != "table":
+        log.warning("ignoring cost model %s: not a table", path)
+        return None
+    return doc
+
+
+def save_cached(directory: Path, key: str, doc: dict) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, directory / f"{key}.json")  # atomic: pods sharing the volume never read half a file
+    except OSError as exc:  # a read-only cache costs a calibration on restart, nothing more
+        log.warning("could not cache the cost model in %s: %s", directory, exc)
+
+
+def calibrated_cost_model(runner: Any, cache_dir: Path | None, progress: ProgressFn | None = None) -> dict:
+    """This runner's measured step-cost table: cached under `cache_dir` (None: always measure)."""
+    grid = calibration_grid(runner)
+    key = cost_model_key(runner, grid) if cache_dir is not None else ""
+    if cache_dir is not None:
+        doc = load_cached(cache_dir, key)
+        if doc is not None:
+            doc.setdefault("meta", {})["cached"] = True
+            log.info("step-cost table from the cache (%s/%s.json)", cache_dir, key)
+            return doc
+    t0 = time.perf_counter()
+    doc = profile_runner(runner, *grid, repeats=CALIBRATION_REPEATS, progress=progress)
+    doc["meta"]["calibration_seconds"] = round(time.perf_counter() - t0, 3)
+    doc["meta"]["cache_key"] = key or None
+    log.info("calibrated the step-cost table in %.1f s (%d cells)", doc["meta"]["calibration_seconds"],
+             len(grid[0]) * len(grid[1]))
+    if cache_dir is not None:
+        save_cached(cache_dir, key, doc)
+    doc["meta"]["cached"] = False
+    return doc
