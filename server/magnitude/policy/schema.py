@@ -226,13 +226,17 @@ class DraftModelPolicy(PolicyModel):
     method: Literal["ngram", "draft"] = Field(
         default="draft",
         description="ngram: prompt lookup (drafts copied from the request's own context, no second model); "
-        "draft: a small model (not implemented by the engine yet: refused by name).",
+        "draft: a draft model (source) whose tokenizer matches the target's, run for the whole batch with its "
+        "own paged KV under the same blocks.",
     )
     source: str | None = Field(
         default=None, min_length=1, max_length=1024,
-        description="The draft model (same forms as `model.source`); required for method draft, refused for ngram.",
+        description="The draft model: the same forms as the engine's model source (package:, a path, a .gguf, "
+        "hf://org/name[@revision]), or self:N (the target's first N layers, final norm and LM head, sharing its "
+        "weights); required for method draft, refused for ngram.",
     )
-    revision: str | None = Field(default=None, max_length=256, description="Draft model revision (method draft only).")
+    revision: str | None = Field(default=None, max_length=256,
+                                 description="Draft model revision (method draft, hf:// sources only).")
     num_speculative_tokens: int = Field(
         default=4, ge=1, le=16,
         description="Draft tokens proposed per decode step; sets the lookahead when scheduler.maxLookaheadTokens is 0, "
@@ -256,6 +260,8 @@ class DraftModelPolicy(PolicyModel):
             raise ValueError("draftModel.source is required for method draft")
         if self.method == "ngram" and (self.source or self.revision):
             raise ValueError("draftModel.source and draftModel.revision apply to method draft only, not ngram")
+        if self.revision and not (self.source or "").startswith("hf://"):
+            raise ValueError(f"draftModel.revision applies only to hf:// sources, not {self.source}")
         return self
 
 
@@ -309,7 +315,7 @@ class EngineConfig(PolicyModel):
         description="What a quantized model's evaluation record must show before it is served.",
     )
     draft_model: DraftModelPolicy | None = Field(
-        default=None, description="Speculative decoding (prompt lookup today); null: none."
+        default=None, description="Speculative decoding (prompt lookup or a draft model); null: none."
     )
     record_trace: RecordTracePolicy | None = Field(
         default=None,
