@@ -204,6 +204,52 @@ def test_3_reapply_and_operator_restart_change_nothing(kube, operator, kubelet) 
     kubelet.runner_for.pop(name, None)
 
 
+# -- 3b. the CPU example's sibling with prompt lookup (issue 14) -------------------------
+COPY_PASSAGE = "The keeper lit the lamp at dusk, wrote the weather in his log and watched three ships pass."
+
+
+def test_3b_prompt_lookup_serves_the_real_model(kube, operator, kubelet) -> None:
+    """spec.draftModel ngram reaches the engine's config; a copy-heavy greedy answer is the model's
+    own greedy answer (computed here, in-process, from the engine's /tokenize ids) with most
+    drafts accepted."""
+    doc = yaml.safe_load(cpu_example().read_text())
+    name = doc["metadata"]["name"] = "smollm2-ngram"
+    doc["spec"]["draftModel"] = {"method": "ngram", "numSpeculativeTokens": 4, "mode": "on"}
+    kubelet.runner_for[name] = "real"
+    kube.apply(doc, "-n", NS)
+    try:
+        ready_msvc(kube, operator, kubelet, name, timeout=300)
+        config = next(v for k, v in children(kube, name).items() if k.startswith("configmap/"))
+        assert "draftModel" in json.dumps(config["data"]), config["data"]
+        url = pod_urls(kube, name)[0]
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        messages = [{"role": "user", "content": f"Repeat exactly: {COPY_PASSAGE}"},
+                    {"role": "assistant", "content": COPY_PASSAGE},
+                    {"role": "user", "content": "Once more, exactly the same."}]
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+            "model": model, "messages": messages, "max_tokens": 32, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()
+        ids = httpx.post(f"{url}/tokenize", json={"model": model, "messages": messages}, timeout=30).json()["tokens"]
+
+        from magnitude.runner import ModelRunner  # the same model and dtype as the example, no drafts
+
+        runner = ModelRunner(doc["spec"]["model"]["source"], device="cpu", dtype="float32", num_blocks=16,
+                             warmup=False, evaluate_quantization=False)
+        ref = runner.greedy_tokens([ids], 32)[0]
+        expected = runner.tokenizer.decode([t for t in ref if t not in runner.eos_token_ids], skip_special_tokens=True)
+        assert answer["choices"][0]["message"]["content"] == expected
+        assert answer["timing"]["spec_acceptance"] is not None and answer["timing"]["spec_acceptance"] > 0.5, answer
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'magnitude_spec_decode_enabled{method="ngram"} 1.0' in metrics
+        accepted = [line for line in metrics.splitlines()
+                    if line.startswith("magnitude_spec_decode_accepted_tokens_total{") and 'method="ngram"' in line]
+        assert accepted and sum(float(line.rsplit(" ", 1)[1]) for line in accepted) > 0, accepted
+    finally:
+        delete_and_wait(kube, name)
+        kubelet.runner_for.pop(name, None)
+
+
 # -- 4. policy change --------------------------------------------------------------------
 def test_4_policy_change_rolls_out_a_new_service_version(kube, operator, kubelet) -> None:
     name = "policy-roll"
