@@ -120,6 +120,7 @@ INVALID = [
     ("a hub token for a local path", {"model": {"source": "/m", "tokenSecretRef": {"name": "t", "key": "k"}}},
      "revision"),
     ("a pvc source without a claim name", {"model": {"source": "pvc://UPPER/x"}}, "source"),
+    ("a draft revision for a non-hub source", {"draftModel": {"source": "self:8", "revision": "v1"}}, "revision"),
     ("a cache claim with a size limit", {"modelCache": {"claimName": "c", "sizeLimit": "1Gi"}}, "sizeLimit"),
     ("unknown field", {"schedular": {}}, "schedular"),
     ("missing model", {"model": None}, "model"),

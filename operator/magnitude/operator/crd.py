@@ -59,6 +59,11 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "message": "draftModel.source and draftModel.revision apply to method draft only, not ngram",
             "fieldPath": ".method",
         },
+        {
+            "rule": "!has(self.revision) || (has(self.source) && self.source.startsWith('hf://'))",
+            "message": "draftModel.revision applies only to hf:// sources",
+            "fieldPath": ".revision",
+        },
     ],
     "SchedulerPolicy": [
         {

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from magnitude.operator.spec import ModelServiceSpec
+from magnitude.operator.spec import PVC_SCHEME, ModelServiceSpec
 from magnitude.policy.schema import speculation_problem
 
 # What `magnitude serve --quantization` can load today. Widen these as the runner learns more.
 ENGINE_QUANTIZATIONS = frozenset({"none", "w8a8", "w8a16", "int8"})
-ENGINE_LOADS_DRAFT_MODELS = False
 # The engine's int8 kernels (torch._int_mm for w8a8, torch._weight_int8pack_mm for w8a16) are
 # validated on the CPU only (runner/quantize.py); `magnitude serve` refuses them on cuda.
 CPU_ONLY_QUANTIZATIONS = frozenset({"w8a8", "w8a16", "int8"})
@@ -59,10 +58,12 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
         problems.append(Problem("spec.quantization",
                                 f"the engine cannot load {spec.quantization} weights yet "
                                 f"(supported: {', '.join(sorted(ENGINE_QUANTIZATIONS))})"))
-    if spec.draft_model is not None and spec.draft_model.method == "draft" and not ENGINE_LOADS_DRAFT_MODELS:
-        problems.append(Problem("spec.draftModel.method",
-                                "the engine cannot load a draft model yet (method draft); use method ngram "
-                                "(prompt lookup)"))
+    if spec.draft_model is not None and (spec.draft_model.source or "").startswith(PVC_SCHEME):
+        # The engine reads the draft source from the ConfigMap as written; only spec.model's claim is mounted.
+        problems.append(Problem("spec.draftModel.source",
+                                "a pvc:// draft source is not mounted on the engine pod; use hf:// (downloaded into "
+                                "the model cache like the model), self:N, or a path in the image or in a volume of "
+                                "spec.pod.volumes"))
     spec_problem = speculation_problem(spec)
     if spec_problem is not None:
         problems.append(Problem(f"spec.{spec_problem[0]}", spec_problem[1]))
