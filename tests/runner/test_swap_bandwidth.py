@@ -1,5 +1,6 @@
-"""The cost model's swap figure, measured on the real runner's KV pool: a round trip of real block
-copies leaves the device blocks as they were, and the figures are consistent with each other."""
+"""The cost model's swap and attention figures, measured on the real runner: a round trip of real
+block copies leaves the device blocks as they were and its figures agree with each other; the
+attention figures come from real steps at two contexts."""
 
 from __future__ import annotations
 
@@ -29,3 +30,12 @@ def test_no_swap_space_measures_nothing() -> None:
         num_blocks, num_swap_blocks = 16, 0
 
     assert measure_swap(NoSwap()).per_swap_token == 0.0
+
+
+def test_measure_attention_times_real_steps_at_two_contexts(runner) -> None:
+    from magnitude.runner.attention_cost import measure_attention
+
+    figures = measure_attention(runner, decodes=2, contexts=(16, 64), chunk=16, repeats=1)
+    assert figures.decode_context == 16
+    assert figures.per_decode_context_token >= 0.0 and figures.per_attention_pair >= 0.0
+    assert set(figures.to_document()) == {"per_decode_context_token", "per_attention_pair", "decode_context"}

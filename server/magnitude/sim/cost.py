@@ -5,7 +5,13 @@
   tokens, constants overridable from a JSON file `{"kind": "linear", "base": ..., ...}`;
 - a table from `magnitude profile`: `{"kind": "table", "decode_batch_sizes": [...],
   "prefill_tokens": [...], "seconds": [[...], ...]}` (rows: decode batch sizes, columns: prefill
-  tokens), interpolated bilinearly and extrapolated linearly from the edges.
+  tokens), interpolated bilinearly and extrapolated linearly from the edges. The table is measured
+  with every decode at `decode_context` tokens and the prefill as one sequence from position 0.
+  With `per_decode_context_token` and `per_attention_pair` (`runner/attention_cost.py`) a step is
+  charged for the attention it really does away from that shape: a decode per context token
+  beyond (or short of) `decode_context`, a prefill chunk per query-key pair beyond what one
+  sequence of all the step's chunk tokens would have. Decodes of long documents and chunks deep
+  into a long prompt cost more; several short prompts in one step cost less than one long one.
 
 The simulator and the server's simulated runner both call `step_seconds(plan)`. Pure.
 """
@@ -91,6 +97,9 @@ class TableCost:
     seconds: tuple[tuple[float, ...], ...]
     per_swap_token: float = 0.000013
     block_size: int = 16
+    per_decode_context_token: float = 0.0
+    per_attention_pair: float = 0.0
+    decode_context: int = 256
     name: str = "table"
 
     def __post_init__(self) -> None:
@@ -116,7 +125,29 @@ class TableCost:
         return self._at(decodes, prefill_tokens) + self.per_swap_token * swapped_tokens
 
     def step_seconds(self, plan: StepPlan) -> float:
-        return self.seconds_for(*plan_shape(plan, self.block_size))
+        decodes, prefill, swapped = plan_shape(plan, self.block_size)
+        seconds = self.seconds_for(decodes, prefill, swapped)
+        if self.per_decode_context_token or self.per_attention_pair:
+            contexts, chunk_tokens, pairs = attention_shape(plan)
+            seconds += self.per_decode_context_token * (contexts - decodes * (self.decode_context + 1))
+            seconds += self.per_attention_pair * (pairs - chunk_tokens * (chunk_tokens + 1) // 2)
+            seconds = max(seconds, 1e-6)
+        return seconds
+
+
+def attention_shape(plan: StepPlan) -> tuple[int, int, int]:
+    """(the decodes' contexts summed, prefill chunk tokens, the chunks' query-key pairs): a chunk of
+    n tokens from position s attends n*s + n(n+1)/2 keys in all; a decode its context plus itself."""
+    contexts = tokens = pairs = 0
+    for s in plan.seqs:
+        n = len(s.token_ids)
+        if s.sample and n == 1:
+            contexts += s.start_position + 1
+        else:
+            n += s.num_lookahead
+            tokens += n
+            pairs += n * s.start_position + n * (n + 1) // 2
+    return contexts, tokens, pairs
 
 
 def derive_chunk_size(cost: CostModel, itl_target_s: float, decode_batch: int, token_budget: int) -> int:

@@ -1,0 +1,61 @@
+"""The table cost model's attention terms: a step is charged for the attention it really does away
+from the shape the table was measured at (decodes at `decode_context`, one prefill sequence)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from magnitude.engine.output import ScheduledSeq, StepPlan
+from magnitude.engine.sampling import SamplingParams
+from magnitude.sim.cost import TableCost, attention_shape, load_cost_model
+
+GREEDY = SamplingParams(max_tokens=1)
+TABLE = dict(decode_batch_sizes=(0.0, 8.0), prefill_tokens=(0.0, 512.0), seconds=((0.01, 0.51), (0.05, 0.55)))
+
+
+def decode(rid: str, context: int) -> ScheduledSeq:
+    return ScheduledSeq(rid, [1], context, [], True, GREEDY)
+
+
+def chunk(rid: str, start: int, n: int, sample: bool = False) -> ScheduledSeq:
+    return ScheduledSeq(rid, [1] * n, start, [], sample, GREEDY)
+
+
+def test_attention_shape_counts_contexts_and_query_key_pairs() -> None:
+    plan = StepPlan(1, [decode("a", 100), decode("b", 300), chunk("c", 0, 4), chunk("d", 10, 2, sample=True)])
+    # decodes: 101 + 301; chunks: 4 tokens from 0 (1+2+3+4) and 2 from 10 (11+12)
+    assert attention_shape(plan) == (402, 6, 10 + 23)
+
+
+def test_without_attention_figures_a_step_costs_what_the_table_says() -> None:
+    cost = TableCost(**TABLE)
+    plan = StepPlan(1, [decode("a", 3000), chunk("c", 2000, 256)])
+    assert cost.step_seconds(plan) == pytest.approx(cost.seconds_for(1, 256))
+
+
+def test_long_contexts_cost_more_and_short_prompts_together_cost_less() -> None:
+    cost = TableCost(**TABLE, per_decode_context_token=1e-5, per_attention_pair=1e-7, decode_context=256)
+    at_table = StepPlan(1, [decode("a", 256)])
+    long_doc = StepPlan(1, [decode("a", 1024)])
+    assert cost.step_seconds(at_table) == pytest.approx(cost.seconds_for(1, 0))
+    assert cost.step_seconds(long_doc) - cost.step_seconds(at_table) == pytest.approx(768 * 1e-5)
+    one_prompt = StepPlan(1, [chunk("p", 0, 480)])
+    four_prompts = StepPlan(1, [chunk(f"p{i}", 0, 120) for i in range(4)])
+    deep_chunk = StepPlan(1, [chunk("p", 1520, 480)])
+    assert cost.step_seconds(one_prompt) == pytest.approx(cost.seconds_for(0, 480))  # the table's own shape
+    saved = (480 * 481 // 2 - 4 * (120 * 121 // 2)) * 1e-7
+    assert cost.step_seconds(one_prompt) - cost.step_seconds(four_prompts) == pytest.approx(saved)
+    assert cost.step_seconds(deep_chunk) - cost.step_seconds(one_prompt) == pytest.approx(480 * 1520 * 1e-7)
+
+
+def test_a_profile_file_carries_the_attention_figures(tmp_path: Path) -> None:
+    doc = {"kind": "table", "decode_batch_sizes": [0, 8], "prefill_tokens": [0, 512], "seconds": [[0.01, 0.51], [0.05, 0.55]],
+           "per_decode_context_token": 2e-5, "per_attention_pair": 3e-7, "decode_context": 128, "meta": {}}
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(doc))
+    cost = load_cost_model(str(path))
+    assert isinstance(cost, TableCost)
+    assert (cost.per_decode_context_token, cost.per_attention_pair, cost.decode_context) == (2e-5, 3e-7, 128)
