@@ -121,6 +121,8 @@ INVALID = [
      "revision"),
     ("a pvc source without a claim name", {"model": {"source": "pvc://UPPER/x"}}, "source"),
     ("a draft revision for a non-hub source", {"draftModel": {"source": "self:8", "revision": "v1"}}, "revision"),
+    ("a quantized prompt lookup", {"draftModel": {"method": "ngram", "quantization": "w8a16"}}, "quantization"),
+    ("a quantized self-draft", {"draftModel": {"source": "self:8", "quantization": "w8a8"}}, "quantization"),
     ("a cache claim with a size limit", {"modelCache": {"claimName": "c", "sizeLimit": "1Gi"}}, "sizeLimit"),
     ("unknown field", {"schedular": {}}, "schedular"),
     ("missing model", {"model": None}, "model"),

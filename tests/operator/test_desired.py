@@ -79,6 +79,9 @@ def test_a_pvc_draft_source_is_refused_by_name() -> None:
 
     assert [p.field for p in problems(spec(draftModel={"source": "pvc://drafts/smollm2"}))] == \
         ["spec.draftModel.source"]
+    gpu_int8 = spec(draftModel={"source": "hf://org/draft", "quantization": "w8a16"}, resources={"gpus": 1})
+    assert "spec.draftModel.quantization" in [p.field for p in problems(gpu_int8)]
+    assert problems(spec(draftModel={"source": "hf://org/draft", "quantization": "w8a16"})) == []
 
 
 def test_children_carry_owner_reference_and_labels() -> None:

@@ -200,3 +200,18 @@ def test_block_budget_counts_the_draft_bytes():
     plain = default_num_blocks(shape, torch.device("cpu"), 0, 1.0, free_bytes=free)
     with_draft = default_num_blocks(shape, torch.device("cpu"), 0, 1.0, free_bytes=free, extra_bytes_per_block=per)
     assert (plain, with_draft) == (1000, 500)
+
+
+def test_a_w8a16_copy_drafts_for_the_float32_target(runner, prompt_ids, hf_reference):
+    from .conftest import MODEL
+
+    drafter = _proposer(runner, load_draft(MODEL, runner.model, runner.tokenizer, "cpu", runner.dtype,
+                                           quantization="w8a16"))
+    with _attached(runner, drafter):
+        run = drive_scheduler(runner, prompt_ids[:3], _greedy(), *SPEC)
+    assert run.outputs == {k: v for k, v in _expected(runner, hf_reference).items() if k in ("r0", "r1", "r2")}
+    proposed = sum(r.spec_proposed for r in run.reqs.values())
+    accepted = sum(r.spec_accepted for r in run.reqs.values())
+    assert proposed > 0 and accepted / proposed > 0.5, (accepted, proposed)  # same model, int8 numerics
+    with pytest.raises(DraftModelError, match="self:4: shares the target's weights"):
+        load_draft("self:4", runner.model, runner.tokenizer, "cpu", runner.dtype, quantization="w8a16")

@@ -33,6 +33,9 @@ COPY_PROMPT = f"Copy the passage exactly.\n\nPassage: {PASSAGE}\n\nCopy: {PASSAG
     (["--set", "draftModel.source=package:no-such-draft"], "draftModel.source package:no-such-draft: "),
     (["--set", "draftModel.source=self:4", "--set", "draftModel.revision=v1"],
      "draftModel.revision applies only to hf:// sources, not self:4"),
+    (["--draft-model", "self:4", "--draft-quantization", "w8a16"],
+     "draftModel.quantization applies to a loaded draft model only, not ngram or self:N"),
+    (["--draft-quantization", "w8a16"], "--draft-quantization needs --draft-model"),
     (["--draft-model", "ngram", "--runner", "simulated"], "simulated runner does not model speculation"),
 ])
 def test_serve_refuses_what_it_cannot_speculate_with_exit_2(args: list[str], named: str) -> None:

@@ -64,6 +64,12 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "message": "draftModel.revision applies only to hf:// sources",
             "fieldPath": ".revision",
         },
+        {
+            "rule": "!has(self.quantization) || self.quantization == 'none'"
+            " || (has(self.method) && self.method == 'draft' && has(self.source) && !self.source.startsWith('self:'))",
+            "message": "draftModel.quantization applies to a loaded draft model only, not ngram or self:N",
+            "fieldPath": ".quantization",
+        },
     ],
     "SchedulerPolicy": [
         {

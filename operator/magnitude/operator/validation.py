@@ -58,6 +58,10 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
         problems.append(Problem("spec.quantization",
                                 f"the engine cannot load {spec.quantization} weights yet "
                                 f"(supported: {', '.join(sorted(ENGINE_QUANTIZATIONS))})"))
+    if spec.draft_model is not None and spec.draft_model.quantization != "none" and spec.resources.gpus > 0:
+        problems.append(Problem("spec.draftModel.quantization",
+                                f"the engine's {spec.draft_model.quantization} weights run on the CPU only; use "
+                                "quantization none for a draft on GPUs"))
     if spec.draft_model is not None and (spec.draft_model.source or "").startswith(PVC_SCHEME):
         # The engine reads the draft source from the ConfigMap as written; only spec.model's claim is mounted.
         problems.append(Problem("spec.draftModel.source",

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "self:N (the target's first N layers + its norm and head, sharing its weights); or a draft "
                         "model source in --model's forms whose tokenizer matches the target's (refused with exit 2 "
                         "otherwise), with its own KV cache in the same blocks. Overrides the config's draftModel")
+    p.add_argument("--draft-quantization", choices=("none", "w8a16", "w8a8"),
+                   help="draftModel.quantization: int8 linears for a loaded draft model (CPU only; not evaluated: a "
+                        "draft's numerics change acceptance, never the output); not for ngram or self:N")
     p.add_argument("--num-speculative-tokens", type=_positive_int, metavar="K",
                    help="draft tokens per decode (draftModel.numSpeculativeTokens, default 4); sets the lookahead "
                         "when scheduler.maxLookaheadTokens is 0, else must not exceed it")
@@ -154,7 +157,8 @@ def _apply_speculation(args: argparse.Namespace, config: Any) -> Any:
         doc = kept | ({"method": "ngram"} if args.draft_model == "ngram"
                       else {"method": "draft", "source": args.draft_model})
     if doc is None:
-        for flag, value in (("--num-speculative-tokens", args.num_speculative_tokens), ("--speculation", args.speculation)):
+        for flag, value in (("--num-speculative-tokens", args.num_speculative_tokens), ("--speculation", args.speculation),
+                            ("--draft-quantization", args.draft_quantization)):
             if value is not None:
                 raise ConfigError(f"{flag} needs --draft-model (or draftModel in the config)")
         return config
@@ -162,6 +166,8 @@ def _apply_speculation(args: argparse.Namespace, config: Any) -> Any:
         doc["numSpeculativeTokens"] = args.num_speculative_tokens
     if args.speculation is not None:
         doc["mode"] = args.speculation
+    if args.draft_quantization is not None:
+        doc["quantization"] = args.draft_quantization
     try:
         draft = DraftModelPolicy.model_validate(doc)
     except ValidationError as exc:
@@ -240,6 +246,7 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
             draft_proposer=NgramProposer() if config.draft_model is not None and config.draft_model.method == "ngram"
             else None,
             draft_source=_draft_source(config.draft_model),
+            draft_quantization=config.draft_model.quantization if config.draft_model is not None else "none",
         )
         if args.served_model_name:
             runner.model_name = args.served_model_name

@@ -247,6 +247,12 @@ class DraftModelPolicy(PolicyModel):
         description="on: always speculate; off: never (the draft stays configured); auto: speculate while the "
         "measured acceptance and step costs say it pays.",
     )
+    quantization: Literal["none", "w8a16", "w8a8"] = Field(
+        default="none",
+        description="The draft model's weights (method draft with a loaded source; CPU only): w8a16 or w8a8 int8 "
+        "linears, as the engine's quantization. Not evaluated: a draft's numerics change acceptance, never the "
+        "output.",
+    )
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -262,6 +268,9 @@ class DraftModelPolicy(PolicyModel):
             raise ValueError("draftModel.source and draftModel.revision apply to method draft only, not ngram")
         if self.revision and not (self.source or "").startswith("hf://"):
             raise ValueError(f"draftModel.revision applies only to hf:// sources, not {self.source}")
+        if self.quantization != "none" and (self.method != "draft" or (self.source or "").startswith("self:")):
+            raise ValueError("draftModel.quantization applies to a loaded draft model only, not ngram or self:N "
+                             "(which shares the target's weights)")
         return self
 
 

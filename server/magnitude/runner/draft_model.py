@@ -120,14 +120,24 @@ def check_tokenizers(target_tok: Any, draft_tok: Any, target_vocab: int, draft_c
 
 
 def load_draft(spec: str, target: torch.nn.Module, target_tokenizer: Any, device: str, dtype: torch.dtype,
-               progress: Callable[..., None] | None = None) -> DraftParts:
+               progress: Callable[..., None] | None = None, quantization: str = "none") -> DraftParts:
     """The draft named by `spec` (`self:N`, or any model source `load_model` takes), checked
-    against the target; DraftModelError names the reason when it cannot serve as the draft."""
+    against the target, its linears quantized (`quantization`: w8a16 or w8a8, CPU only, no
+    evaluation: a draft's numerics change acceptance, never the output); DraftModelError names the
+    reason when it cannot serve as the draft."""
     if spec.startswith(SELF_PREFIX):
+        if quantization != "none":
+            raise DraftModelError(f"draft model {spec}: shares the target's weights, so it cannot be quantized "
+                                  "apart from them (draftModel.quantization)")
         return self_draft(target, spec)
     from magnitude.runner.attention import ATTN_IMPLEMENTATION
-    from magnitude.runner.loading import ModelSourceError, load_model
+    from magnitude.runner.loading import ModelSourceError, load_model, pick_device
+    from magnitude.runner.quantize import CALIBRATION_TEXT, check_quantization, quantize_linears
 
+    try:
+        method = check_quantization(quantization, pick_device(device))
+    except ValueError as exc:
+        raise DraftModelError(f"draft model {spec}: draftModel.quantization: {exc}") from exc
     try:
         loaded = load_model(spec, device, str(dtype).removeprefix("torch."), attn_implementation=ATTN_IMPLEMENTATION,
                             progress=progress)
@@ -135,6 +145,8 @@ def load_draft(spec: str, target: torch.nn.Module, target_tokenizer: Any, device
         raise DraftModelError(f"draft model {spec}: cannot load: {exc}") from exc
     check_tokenizers(target_tokenizer, loaded.tokenizer, int(target.config.vocab_size), loaded.model.config,
                      target.config, spec)
+    if method != "none":
+        quantize_linears(loaded.model, method, loaded.device, target_tokenizer(CALIBRATION_TEXT)["input_ids"])
     return loaded_draft(loaded.model, spec)
 
 

@@ -98,6 +98,7 @@ class ModelRunner:
         evaluate_quantization: bool = True,
         memory_fraction: float = 0.9,
         draft_source: str | None = None,
+        draft_quantization: str = "none",
     ) -> None:
         """`record_cache`: where quantization evaluation records are kept across restarts (None:
         measure on every load). `evaluate_quantization=False` skips the evaluation (tests of the
@@ -105,7 +106,8 @@ class ModelRunner:
         (`kvCache.memoryFraction`) sizes the KV pool when `num_blocks` is None (kv_pool.py).
         `draft_source`: a draft model (`self:N` or any model source; runner/draft_model.py) proposes
         the drafts, with a KV pool of its own under the same block ids: a block then costs the
-        target's bytes plus the draft's, and memoryFraction sizes the pool from their sum."""
+        target's bytes plus the draft's, and memoryFraction sizes the pool from their sum;
+        `draft_quantization` (w8a16, w8a8) quantizes a loaded draft's linears."""
         if draft_source is not None and draft_proposer is not None:
             raise ValueError("give a draft_source or a draft_proposer, not both")
         if block_size < 1:
@@ -144,7 +146,8 @@ class ModelRunner:
         draft = None
         if draft_source is not None:
             report("loading_draft", 0.0)
-            draft = load_draft(draft_source, self.model, self.tokenizer, str(self.device), self.dtype)
+            draft = load_draft(draft_source, self.model, self.tokenizer, str(self.device), self.dtype,
+                               quantization=draft_quantization)
             report("loading_draft", 1.0)
         draft_block_bytes = kv_shape(draft.config, block_size, shape.dtype).bytes_per_block if draft else 0
         if num_blocks is None:
