@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -80,30 +81,47 @@ def test_sigterm_finishes_in_flight_work_and_exits_0() -> None:
             proc.wait()
 
 
-def test_itl_target_without_a_measured_cost_model_exits_2() -> None:
-    """The real runner derives a null prefillChunkSize only from a measured cost model."""
-    sets = ["--set", "scheduler.prefillChunkSize=null", "--set", "scheduler.itlTargetMs=150"]
-    r = subprocess.run(serve_cmd(*sets), env=env(), capture_output=True, text=True, timeout=60)
+def test_real_runner_refuses_a_builtin_cost_model() -> None:
+    """The built-in models describe no real hardware: the real runner calibrates, or takes a measured table."""
+    r = subprocess.run(serve_cmd("--cost-model", "linear"), env=env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
-    assert "itlTargetMs" in r.stderr and "magnitude profile" in r.stderr
+    assert "--cost-model linear" in r.stderr and "calibrate" in r.stderr
 
 
-def test_itl_target_derives_the_chunk_from_the_cost_model(tmp_path: Path) -> None:
-    """`--cost-model FILE.json` (the `magnitude profile` format) sets the chunk; the log names it."""
+def test_itl_target_on_the_unit_model_exits_2() -> None:
+    """The unit model counts steps, not seconds: an ITL target cannot be kept on it."""
+    r = subprocess.run(serve_cmd("--runner", "simulated", "--cost-model", "unit", "--set", "scheduler.itlTargetMs=100"),
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "itlTargetMs" in r.stderr and "unit" in r.stderr
+
+
+def test_cost_model_file_derives_the_limits_and_is_served(tmp_path: Path) -> None:
+    """`--cost-model FILE.json` (the `magnitude profile` format): the null tokenBudget and
+    prefillChunkSize are derived from it for itlTargetMs, reported on /readyz and /metrics, and the
+    file is what GET /debug/cost-model returns (admin token only)."""
     cost = tmp_path / "cost.json"
-    cost.write_text('{"kind": "table", "decode_batch_sizes": [1, 64], "prefill_tokens": [1, 1000],'
-                    ' "seconds": [[0.01, 0.11], [0.05, 0.15]]}')
+    doc = {"kind": "table", "decode_batch_sizes": [1, 64], "prefill_tokens": [1, 1000],
+           "seconds": [[0.01, 0.11], [0.05, 0.15]], "meta": {"device": "cpu"}}
+    cost.write_text(json.dumps(doc))
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(serve_cmd("--runner", "simulated", "--cost-model", str(cost), "--port", str(port),
-                                      "--set", "scheduler.prefillChunkSize=null", "--set", "scheduler.itlTargetMs=100"),
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                      "--set", "scheduler.itlTargetMs=100"),
+                            env={**env(), "MAGNITUDE_ADMIN_TOKEN": "adm"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        line = ""
-        while time.monotonic() < deadline and "derived" not in line:
-            line = proc.stdout.readline()
-        # at 64 decodes a step costs 0.05 + 0.1 * p / 999 seconds: the largest p within 0.1 s is 500
-        assert "prefillChunkSize 500 derived" in line, line
+        wait_ready(url, proc, 60)
+        # A step of B prefill tokens alone (0 decodes, extrapolated from the rows) costs
+        # 0.009365 + 0.1 * (B - 1) / 999 s: within 0.1 s up to B = 906. With 8 decodes the row
+        # starts at 0.014444: a chunk of up to 855 tokens fits.
+        assert httpx.get(url + "/readyz").json()["scheduler"] == {
+            "tokenBudget": 906, "prefillChunkSize": 855, "itlTargetMs": 100.0, "source": "derived"}
+        metrics = httpx.get(url + "/metrics").text
+        assert 'magnitude_scheduler_token_budget{source="derived"} 906.0' in metrics
+        assert 'magnitude_scheduler_prefill_chunk_tokens{source="derived"} 855.0' in metrics
+        assert 'magnitude_scheduler_itl_target_seconds{source="derived"} 0.1' in metrics
+        assert httpx.get(url + "/debug/cost-model").status_code == 401
+        assert httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer adm"}).json() == doc
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -10,7 +10,8 @@ import pytest
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import CostModelError, LinearCost, TableCost, derive_chunk_size, load_cost_model
+from magnitude.sim.cost import (DEFAULT_ITL_TARGET_MS, CostModelError, LinearCost, TableCost, UnitCost,
+                                derive_scheduler_limits, load_cost_model)
 from magnitude.sim.simulate import resolve_sim_config
 
 
@@ -53,11 +54,38 @@ def test_bad_table_is_refused(tmp_path) -> None:
         load_cost_model(str(f))
 
 
-def test_chunk_derived_from_itl_target() -> None:
+def test_limits_derived_from_itl_target() -> None:
     c = LinearCost()
-    # 0.020 + 64 * 0.0005 = 0.052 s for the decodes; 0.010 s more buys 285 prefill tokens.
-    assert derive_chunk_size(c, 0.062, 64, 2048) == 285
-    assert derive_chunk_size(c, 10.0, 64, 2048) == 2048 - 64
-    assert derive_chunk_size(c, 0.001, 64, 2048) == 1
-    cfg = resolve_sim_config(resolve_config(None, ["scheduler.prefillChunkSize=null", "scheduler.itlTargetMs=62"]), c)
-    assert cfg.scheduler.prefill_chunk_size == 285 and cfg.kv_cache.num_blocks is not None
+    sp = resolve_config(None, ["scheduler.itlTargetMs=62"]).scheduler
+    # Budget: 0.020 + 0.000035 * B <= 0.062 -> 1200 prefill tokens in a step of its own.
+    # Chunk: with 8 decodes (0.004 s) 0.020 + 0.004 + 0.000035 * p <= 0.062 -> 1085.
+    limits = derive_scheduler_limits(sp, c)
+    assert (limits.token_budget, limits.prefill_chunk_size, limits.itl_target_ms, limits.source) == (1200, 1085, 62.0, "derived")
+    cfg = resolve_sim_config(resolve_config(None, ["scheduler.itlTargetMs=62"]), c)
+    assert cfg.scheduler.token_budget == 1200 and cfg.scheduler.prefill_chunk_size == 1085
+    assert cfg.kv_cache.num_blocks is not None
+
+
+def test_default_limits_use_the_default_itl_target_and_explicit_values_win() -> None:
+    c = LinearCost()
+    derived = derive_scheduler_limits(resolve_config(None, []).scheduler, c, device="cpu")
+    assert derived.itl_target_ms == DEFAULT_ITL_TARGET_MS["cpu"] and derived.source == "derived"
+    assert c.seconds_for(0, derived.token_budget) <= 0.1 < c.seconds_for(0, derived.token_budget + 1)
+    assert c.seconds_for(8, derived.prefill_chunk_size) <= 0.1 < c.seconds_for(8, derived.prefill_chunk_size + 1)
+    gpu = derive_scheduler_limits(resolve_config(None, []).scheduler, c, device="cuda:0")
+    assert gpu.itl_target_ms == DEFAULT_ITL_TARGET_MS["cuda"] and gpu.token_budget < derived.token_budget
+    # Explicit values win; nothing derived and no target: no per-step bound.
+    fixed = derive_scheduler_limits(resolve_config(None, ["scheduler.tokenBudget=48", "scheduler.prefillChunkSize=32"]).scheduler, c)
+    assert (fixed.token_budget, fixed.prefill_chunk_size, fixed.itl_target_ms, fixed.source) == (48, 32, None, "set")
+    # Only the chunk derived: within the set budget.
+    half = derive_scheduler_limits(resolve_config(None, ["scheduler.tokenBudget=64"]).scheduler, c)
+    assert (half.token_budget, half.prefill_chunk_size, half.source) == (64, 56, "derived")
+    # The unit model counts steps, not seconds: the static defaults, and a target is refused by name.
+    static = derive_scheduler_limits(resolve_config(None, []).scheduler, UnitCost())
+    assert (static.token_budget, static.prefill_chunk_size, static.itl_target_ms, static.source) == (2048, 512, None, "static")
+    with pytest.raises(CostModelError, match="itlTargetMs"):
+        derive_scheduler_limits(sp_with_target(), UnitCost())
+
+
+def sp_with_target():
+    return resolve_config(None, ["scheduler.itlTargetMs=100"]).scheduler

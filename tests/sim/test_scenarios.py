@@ -29,8 +29,9 @@ def test_long_prompt_short_chats_keep_getting_first_tokens() -> None:
     during = [c for c in chats if long["admitted"] <= c["arrival"] < long["first_token"]]
     assert long["first_token"] - long["admitted"] > 0.5  # the long prompt needs many chunked steps
     assert during, "no chat arrived while the long prompt was prefilling"
-    # Chats that arrive while it prefills get their first token before it does.
-    assert all(c["first_token"] < long["first_token"] for c in during)
+    # Chats that arrive while it prefills get their first token no later than it does (one that
+    # arrives during its last chunk shares that step: the derived chunk fills the ITL target).
+    assert all(c["first_token"] <= long["first_token"] for c in during)
     assert r["tenants"]["chat"]["ttft"]["p99"] < 0.5
 
 

@@ -60,9 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--runner", choices=("real", "simulated"), default="real",
                    help="real: the model; simulated: the simulator's cost model stands in for the forward pass")
-    p.add_argument("--cost-model", default="linear",
-                   help="simulated runner: unit | linear | FILE.json; real runner: FILE.json from `magnitude profile`, "
-                   "from which a null scheduler.prefillChunkSize is derived for scheduler.itlTargetMs")
+    p.add_argument("--cost-model", default=None, metavar="FILE.json",
+                   help="the step-cost table the scheduler derives null tokenBudget/prefillChunkSize from and bounds "
+                   "each step by (itlTargetMs). Real runner: a measured table (`magnitude profile`, or GET "
+                   "/debug/cost-model of a running engine) instead of calibrating at start-up; default: calibrate "
+                   "(phase calibrating, a few seconds), cached under $MAGNITUDE_CACHE/cost-models. Simulated runner: "
+                   "unit | linear (default) | FILE.json")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated runner: multiply modelled step times")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $MAGNITUDE_API_KEY)")
     p.add_argument("--auth-mode", choices=AUTH_MODES,
@@ -99,36 +102,31 @@ def _positive_int(value: str) -> int:
     return n
 
 
-def _derive_prefill_chunk(args: argparse.Namespace, config: Any) -> Any:
-    """A null prefillChunkSize with an itlTargetMs is derived from a cost model: the measured one
-    (`magnitude profile`) for the real runner, since the built-in ones do not describe this machine."""
+def _given_cost_model(args: argparse.Namespace, config: Any) -> tuple[Any, dict | None]:
+    """(the --cost-model as a cost model, its document), read now so a bad file fails before serving;
+    (None, None) for the real runner without one: it calibrates while loading (load_real). The
+    built-in models describe no real hardware, so the real runner refuses them."""
     from magnitude.policy.load import ConfigError
-    from magnitude.sim.cost import load_cost_model, resolve_prefill_chunk
+    from magnitude.sim.cost import (builtin_document, cost_model_from_document, derive_scheduler_limits,
+                                    load_cost_model, read_cost_document)
 
-    sp = config.scheduler
-    if sp.prefill_chunk_size is not None or sp.itl_target_ms is None:
-        return config
-    if args.runner == "real" and args.cost_model in ("unit", "linear"):
-        raise ConfigError("scheduler.itlTargetMs with a null scheduler.prefillChunkSize needs a measured cost model: "
-                          "run `magnitude profile --out cost.json` on this hardware and pass --cost-model cost.json")
-    resolved = resolve_prefill_chunk(config, load_cost_model(args.cost_model, config.kv_cache.block_size))
-    log.info("prefillChunkSize %d derived for itlTargetMs %s from %s",
-             resolved.scheduler.prefill_chunk_size, sp.itl_target_ms, args.cost_model)
-    return resolved
-
-
-def _preemption_cost_model(args: argparse.Namespace, config: Any) -> Any:
-    """The cost model `preemptionMode: auto` compares recompute and swap on; None for other modes.
-    The real runner needs a measured one: the built-in ones do not describe this machine."""
-    from magnitude.policy.load import ConfigError
-    from magnitude.sim.cost import load_cost_model
-
-    if config.scheduler.preemption_mode != "auto":
-        return None
-    if args.runner == "real" and args.cost_model in ("unit", "linear"):
-        raise ConfigError("scheduler.preemptionMode auto compares recompute and swap on a measured cost model: "
-                          "run `magnitude profile --out cost.json` on this hardware and pass --cost-model cost.json")
-    return load_cost_model(args.cost_model, config.kv_cache.block_size)
+    spec = args.cost_model
+    if args.runner == "real":
+        if spec is None:
+            return None, None
+        if spec in ("unit", "linear"):
+            raise ConfigError(f"--cost-model {spec}: the built-in models describe no real hardware; pass a measured "
+                              "table (`magnitude profile --out cost.json`) or leave it unset to calibrate at start-up")
+    spec = spec or "linear"
+    block_size = config.kv_cache.block_size
+    if spec in ("unit", "linear"):
+        cost = load_cost_model(spec, block_size)
+        doc = builtin_document(cost)
+    else:
+        doc = read_cost_document(spec)
+        cost = cost_model_from_document(doc, spec, block_size)
+    derive_scheduler_limits(config.scheduler, cost)  # a target the model cannot serve fails here, by name
+    return cost, doc
 
 
 def _apply_record_trace(args: argparse.Namespace, config: Any) -> Any:
@@ -215,13 +213,14 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
 
         raise ConfigError(f"--quantization {args.quantization} runs on the CPU only; on cuda use --dtype bfloat16")
     if args.runner == "simulated":
-        from magnitude.server.simulated_runner import SimulatedRunner, cost_function
+        from magnitude.server.simulated_runner import SimulatedRunner
 
-        cost = cost_function(args.cost_model, config.kv_cache.block_size)  # fail fast on a bad --cost-model, before serving
+        cost, _ = _given_cost_model(args, config)
 
         def load_simulated(progress: Any) -> Any:
             progress("warming_up", 1.0)
-            return SimulatedRunner(config, cost, model_name=args.served_model_name or "simulated", time_scale=args.time_scale)
+            return SimulatedRunner(config, cost.step_seconds, model_name=args.served_model_name or "simulated",
+                                   time_scale=args.time_scale)
 
         return load_simulated
 
@@ -250,9 +249,22 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
         )
         if args.served_model_name:
             runner.model_name = args.served_model_name
+        if args.cost_model is None:
+            calibrate(runner, progress)
         return runner
 
     return load_real
+
+
+def calibrate(runner: Any, progress: Any) -> None:
+    """The runner's step-cost table (phase `calibrating`), from the model cache or measured now; the
+    engine derives its scheduler limits from it (async_engine.py) and serves it at GET /debug/cost-model."""
+    from magnitude.runner.calibration import calibrated_cost_model
+    from magnitude.runner.loading import cache_root
+
+    progress("calibrating", 0.0)
+    runner.cost_model_document = calibrated_cost_model(
+        runner, cache_root() / "cost-models", lambda fraction: progress("calibrating", fraction))
 
 
 def _model_source(args: argparse.Namespace) -> str:
@@ -285,10 +297,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, args.set)
-        config = _derive_prefill_chunk(args, config)
         config = _apply_speculation(args, config)
         config = _apply_record_trace(args, config)
-        preemption_cost = _preemption_cost_model(args, config)
+        given_cost, given_document = _given_cost_model(args, config)
         load_runner = _runner_factory(args, config)
     except (ConfigError, CostModelError) as exc:
         print(f"magnitude serve: {exc}", file=sys.stderr)
@@ -308,7 +319,8 @@ def run(args: argparse.Namespace) -> int:
     from magnitude.server.trace_recorder import TraceRecordError
 
     try:
-        engine = AsyncEngine(config, load_runner, metrics, request_log=request_log, cost_model=preemption_cost)
+        engine = AsyncEngine(config, load_runner, metrics, request_log=request_log,
+                             cost_model=given_cost, cost_model_document=given_document)
     except TraceRecordError as exc:
         print(f"magnitude serve: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,10 @@ so computed counts catch up. One `schedule(now)`:
 3. the remaining token budget goes to prefill chunks of at most `prefillChunkSize` tokens per
    request: resident partial prefills first (round-robin within a priority level), then
    swapped requests come back, then waiting requests are admitted by aged priority with
-   tenant fair share and quotas;
+   tenant fair share and quotas. With an ITL target (`itlTargetMs`) and a cost model (handed in
+   by the engine, measured at start-up, or by the simulator), a step
+   that carries decodes also keeps its total predicted time within the target: prefill takes
+   what the decodes leave;
 4. when a block cannot be allocated, evictable cached blocks go first, then a victim is
    preempted (worst effective priority, then latest arrival) by recompute or swap; `auto`
    chooses per victim by cost: recomputing its computed tokens on the cost model's prefill curve
@@ -38,7 +41,7 @@ from magnitude.engine.output import RequestUpdate, RunnerOutput, ScheduledSeq, S
 from magnitude.engine.queue import COMPACT_SLACK, RequestQueue, queue_key
 from magnitude.engine.request import Request, RequestStatus
 from magnitude.engine.stats import SchedulerStats
-from magnitude.policy.schema import EngineConfig
+from magnitude.policy.schema import STATIC_PREFILL_CHUNK, STATIC_TOKEN_BUDGET, EngineConfig
 
 _EMA = 0.2
 # Finished requests seen before their mean output length replaces admission.expectedOutputTokens.
@@ -68,6 +71,8 @@ class _Step:
     tenant_tokens: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)  # ids preempted this step: not re-admitted in it
     swapped_in: set[str] = field(default_factory=set)
+    cost_decodes: int = 0  # the step's shape for the ITL bound: one-token sampling chunks
+    cost_prefill: int = 0  # and every other token (chunks, draft positions)
 
 
 class Scheduler:
@@ -88,9 +93,17 @@ class Scheduler:
         self.cost_model = cost_model
         self.config = config
         self.policy = sp
-        self.token_budget = sp.token_budget
+        # Null means "derive" (sim/cost.py derive_scheduler_limits, which the engine and the simulator
+        # apply before building this); a bare Scheduler has no cost model and takes the static defaults.
+        self.token_budget = sp.token_budget if sp.token_budget is not None else STATIC_TOKEN_BUDGET
         self.max_sequences = sp.max_sequences
-        self.chunk_size = min(sp.prefill_chunk_size or sp.token_budget, sp.token_budget)
+        chunk = sp.prefill_chunk_size if sp.prefill_chunk_size is not None else STATIC_PREFILL_CHUNK
+        self.chunk_size = min(chunk, self.token_budget)
+        # itlTargetMs bounds each step's predicted time (decodes plus every chunk) on the cost model.
+        if sp.itl_target_ms is not None and cost_model is None:
+            raise ValueError("scheduler.itlTargetMs bounds each step on a cost model: pass cost_model "
+                             "(the engine's calibration, the simulator's --cost-model)")
+        self.itl_target_s = sp.itl_target_ms / 1000.0 if sp.itl_target_ms is not None else None
         # Speculation: a configured draft sets every eligible request's lookahead to
         # numSpeculativeTokens, which is also the bound when maxLookaheadTokens is left at 0.
         draft = config.draft_model
@@ -326,7 +339,35 @@ class Scheduler:
                 step.lookahead[rid] = k
             step.budget -= 1 + k
             tenant_tokens[req.tenant] = tenant_tokens.get(req.tenant, 0) + 1 + k
+            step.cost_decodes += 1
+            step.cost_prefill += k
         return partials
+
+    def _itl_cap(self, step: _Step, start: int, num_tokens: int, n: int) -> int:
+        """The largest m <= n tokens of a chunk starting at `start` (of `num_tokens`) that keeps the
+        step's predicted time within the ITL target; n when no bound applies (no target, or no
+        decode in the step: nobody is waiting for a next token)."""
+        target = self.itl_target_s
+        if target is None or step.cost_decodes == 0 or n <= 0:
+            return n
+        assert self.cost_model is not None
+        cost, d, p = self.cost_model.seconds_for, step.cost_decodes, step.cost_prefill
+
+        def fits(m: int) -> bool:
+            if m == 1 and start + 1 == num_tokens:  # a one-token sampling chunk is shaped as a decode
+                return cost(d + 1, p) <= target
+            return cost(d, p + m) <= target
+
+        if fits(n):
+            return n
+        lo, hi = 0, n - 1  # the largest m in [1, n) that fits; 0 if none
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo if lo and fits(lo) else 0
 
     def _schedule_partial_prefills(self, step: _Step, partials: list[Request], now: float) -> None:
         # Sorted by level, then least recently served: round-robin within a level.
@@ -337,6 +378,7 @@ class Scheduler:
                 continue  # preempted, or preempted and re-admitted, earlier in this step
             n = min(self.chunk_size, req.num_tokens - req.num_computed_tokens, step.budget,
                     self._tenant_token_room(step, req.tenant))
+            n = self._itl_cap(step, req.num_computed_tokens, req.num_tokens, n)
             if n <= 0:
                 continue
             if not self._allocate(step, req, req.num_computed_tokens + n, now):
@@ -350,6 +392,10 @@ class Scheduler:
         while self.swapped and len(self.running) < self.max_sequences and step.budget > 0:
             req = self.swapped[0]
             n = min(self.chunk_size, req.num_tokens - req.num_computed_tokens, step.budget)
+            n = self._itl_cap(step, req.num_computed_tokens, req.num_tokens, n)
+            if n <= 0:
+                self._defer(req, "itl_target", now)
+                return
             # Its host copy may hold blocks allocated for work it never ran; it needs them all back.
             need = max(self.kv.num_host_blocks(req), self.kv.blocks_for(req.num_computed_tokens + n))
             if need > self.kv.num_free_blocks:
@@ -390,6 +436,10 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             start = len(cached) * self.block_size
             n = min(self.chunk_size, req.num_tokens - start, step.budget, room)
+            n = self._itl_cap(step, start, req.num_tokens, n)
+            if n <= 0:
+                self._defer(req, "itl_target", now)  # the decodes leave no room: admission waits, in order
+                return
             # Keep one step of decode growth free, or the next step preempts what was just admitted.
             reserve = -(-len(self.running) // self.block_size)
             if not self.kv.can_allocate(req, start + n, cached, reserve) or not self.kv.allocate(req, start + n, cached):
@@ -419,6 +469,10 @@ class Scheduler:
         step.scheduled[req.request_id] = n
         step.budget -= n
         step.tenant_tokens[req.tenant] = step.tenant_tokens.get(req.tenant, 0) + n
+        if n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
+            step.cost_decodes += 1
+        else:
+            step.cost_prefill += n
         req.last_prefill_step = self.step_id
         req.last_defer_reason = None
 
@@ -453,6 +507,11 @@ class Scheduler:
             k = step.lookahead.pop(rid, 0)
             step.budget += n + k
             step.tenant_tokens[req.tenant] -= n + k
+            if n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
+                step.cost_decodes -= 1
+                step.cost_prefill -= k
+            else:
+                step.cost_prefill -= n + k
         del self.running[rid]
         self._running_by_tenant[req.tenant] -= 1
         req.num_preemptions += 1

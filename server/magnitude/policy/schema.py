@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+# What a null tokenBudget / prefillChunkSize means where no cost model in seconds exists (a bare
+# Scheduler, the simulator's unit model): the fixed defaults these fields had before derivation.
+STATIC_TOKEN_BUDGET = 2048
+STATIC_PREFILL_CHUNK = 512
 
 
 class PolicyModel(BaseModel):
@@ -69,19 +73,25 @@ def _default_priority_classes() -> list[PriorityClass]:
 class SchedulerPolicy(PolicyModel):
     """Per-step scheduling: budgets, chunking, priorities, fairness, preemption."""
 
-    token_budget: int = Field(
-        default=2048, ge=1, le=1_048_576, description="Most tokens (decode + prefill) computed in one step."
+    token_budget: int | None = Field(
+        default=None, ge=1, le=1_048_576,
+        description="Most tokens (decode + prefill) computed in one step. Null (the default) derives it: the "
+        "largest step the engine's measured cost model predicts within itlTargetMs (100 ms on CPU, 50 ms on "
+        "GPU when unset).",
     )
     max_sequences: int = Field(default=64, ge=1, le=4096, description="Most sequences resident in one step.")
     prefill_chunk_size: int | None = Field(
-        default=512,
+        default=None,
         ge=1,
         le=1_048_576,
-        description="Most prompt tokens one sequence may compute in one step. Null derives it "
-        "from itlTargetMs and the measured cost model, else it equals tokenBudget.",
+        description="Most prompt tokens one sequence may compute in one step. Null (the default) derives it: "
+        "what a step with 8 decodes leaves within itlTargetMs under the measured cost model.",
     )
     itl_target_ms: float | None = Field(
-        default=None, gt=0.0, le=60_000.0, description="Inter-token latency target used to derive prefillChunkSize."
+        default=None, gt=0.0, le=60_000.0,
+        description="Inter-token latency target: each step's total predicted time (decodes plus every prefill "
+        "chunk) stays within it while requests decode, and null tokenBudget/prefillChunkSize are derived "
+        "for it. Null: 100 ms on CPU, 50 ms on GPU when anything is derived, else no per-step bound.",
     )
     preemption_mode: Literal["recompute", "swap", "auto"] = Field(
         default="recompute",

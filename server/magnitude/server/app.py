@@ -173,8 +173,11 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         # The quantization record rides along both ways: the operator reads it from not-ready pods.
         record = {"quantization": engine.quantization} if engine.quantization is not None else {}
         if engine.ready:
+            # What the scheduler runs with (derived or set): the operator shows it in status.scheduler.
+            limits = getattr(engine, "scheduler_limits", None)
+            scheduler = {"scheduler": limits.to_document()} if limits is not None else {}
             return JSONResponse({"status": "ready", "model": engine.model_name, "load_seconds": engine.load_seconds,
-                                 **source_info(), **record})
+                                 **source_info(), **record, **scheduler})
         phase, message = engine.not_ready_reason()
         return JSONResponse(
             {"status": "not_ready", "phase": phase, "progress": engine.phase_progress, "message": message,
@@ -210,6 +213,15 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         if doc is None:
             raise APIError(404, f"no request '{request_id}' among the live and the {engine.request_log.max_requests} "
                                 "most recent ones", param="request_id", code="request_not_found")
+        return doc
+
+    @app.get("/debug/cost-model", dependencies=[Depends(require_admin)])
+    async def debug_cost_model() -> dict[str, Any]:
+        """The step-cost model the scheduler runs on, in the format `magnitude simulate --cost-model` reads."""
+        doc = getattr(engine, "cost_model_document", None)
+        if doc is None:
+            phase = "the engine is still loading" if not engine.ready else "this engine was started without one"
+            raise APIError(404, f"no cost model: {phase}", code="cost_model_unavailable")
         return doc
 
     @app.get("/debug/decisions", dependencies=[Depends(require_admin)])

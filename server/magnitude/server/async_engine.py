@@ -187,9 +187,13 @@ class AsyncEngine:
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         request_log: RequestLog | None = None,
         cost_model: Any = None,
+        cost_model_document: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.cost_model = cost_model  # the step-cost model preemptionMode auto decides by (sim/cost.py)
+        # Its document (GET /debug/cost-model); without one given, the runner's calibration supplies both.
+        self.cost_model_document = cost_model_document
+        self.scheduler_limits: Any = None  # sim/cost.py SchedulerLimits: what the scheduler runs with
         # recordTrace: ended requests go to a writer thread as trace lines (server/trace_recorder.py).
         self.trace_recorder: TraceRecorder | None = None
         if config.record_trace is not None:
@@ -262,8 +266,9 @@ class AsyncEngine:
                 self.trace_recorder.detokenize = runner.tokenizer.decode
             self.max_prompt_chars = self.renderer.max_prompt_chars(self.max_model_len)
             self.max_body_bytes = context_body_bytes(self.max_prompt_chars, self.max_model_len)
+            scheduler_config = self._derive_limits(runner)
             scheduler = Scheduler(
-                self.config,
+                scheduler_config,
                 num_blocks=runner.num_blocks,
                 num_swap_blocks=runner.num_swap_blocks,
                 max_model_len=self.max_model_len,
@@ -289,6 +294,25 @@ class AsyncEngine:
                 self.on_load_failed(exc)
         finally:
             self._ready_event.set()
+
+    def _derive_limits(self, runner: Runner) -> EngineConfig:
+        """The config the scheduler runs with: a null tokenBudget / prefillChunkSize derived from the
+        cost model (given with --cost-model, else the runner's start-up calibration) and the ITL target;
+        reported on /readyz (`scheduler`) and as magnitude_scheduler_* gauges."""
+        from magnitude.sim.cost import apply_limits, cost_model_from_document, derive_scheduler_limits
+
+        if self.cost_model_document is None:
+            self.cost_model_document = getattr(runner, "cost_model_document", None)
+        if self.cost_model is None and self.cost_model_document is not None:
+            self.cost_model = cost_model_from_document(self.cost_model_document, "calibrated cost model",
+                                                       self.config.kv_cache.block_size)
+        limits = derive_scheduler_limits(self.config.scheduler, self.cost_model, str(getattr(runner, "device", "cpu")))
+        self.scheduler_limits = limits
+        self.metrics.set_scheduler_limits(limits.token_budget, limits.prefill_chunk_size, limits.itl_target_ms,
+                                          limits.source)
+        log.info("scheduler: tokenBudget %d, prefillChunkSize %d, itlTargetMs %s (%s)", limits.token_budget,
+                 limits.prefill_chunk_size, limits.itl_target_ms, limits.source)
+        return apply_limits(self.config, limits)
 
     def _accept_quantization(self, runner: Runner) -> bool:
         """Judge the runner's quantization evaluation record (if its weights are quantized) against

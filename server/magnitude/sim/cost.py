@@ -22,10 +22,10 @@ import bisect
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from magnitude.engine.output import StepPlan
-from magnitude.policy.schema import EngineConfig
+from magnitude.policy.schema import STATIC_PREFILL_CHUNK, STATIC_TOKEN_BUDGET, EngineConfig, SchedulerPolicy
 
 
 class CostModelError(ValueError):
@@ -150,31 +150,79 @@ def attention_shape(plan: StepPlan) -> tuple[int, int, int]:
     return contexts, tokens, pairs
 
 
-def derive_chunk_size(cost: CostModel, itl_target_s: float, decode_batch: int, token_budget: int) -> int:
-    """The largest prefill chunk that keeps a step with `decode_batch` decodes within the
-    inter-token latency target (at least 1, at most the budget left after the decodes)."""
-    hi = max(1, token_budget - decode_batch)
-    if cost.seconds_for(decode_batch, hi) <= itl_target_s:
-        return hi
+# The ITL target the defaults are derived for when `itlTargetMs` is not set, by device kind.
+DEFAULT_ITL_TARGET_MS = {"cpu": 100.0, "cuda": 50.0}
+# Decodes a "typical" step carries when the chunk is derived (at most maxSequences).
+TYPICAL_DECODES = 8
+# Floors when even the smallest step misses the target: the engine still makes progress.
+MIN_DERIVED_BUDGET = 16
+MAX_DERIVED_BUDGET = 65_536
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """The token budget, chunk and ITL target a scheduler runs with, and where they came from:
+    `set` (all given in the config), `derived` (a null one measured from the cost model), or
+    `static` (a null one with no cost model in seconds: STATIC_TOKEN_BUDGET / STATIC_PREFILL_CHUNK)."""
+
+    token_budget: int
+    prefill_chunk_size: int
+    itl_target_ms: float | None
+    source: str
+
+    def to_document(self) -> dict:
+        return {"tokenBudget": self.token_budget, "prefillChunkSize": self.prefill_chunk_size,
+                "itlTargetMs": self.itl_target_ms, "source": self.source}
+
+
+def _largest(fits: Callable[[int], bool], hi: int) -> int:
+    """The largest n in [1, hi] with fits(n), 0 if none (binary search: cost grows with tokens)."""
+    if hi < 1 or not fits(1):
+        return 0
     lo = 1
-    while lo < hi:  # cost is non-decreasing in prefill tokens
+    while lo < hi:
         mid = (lo + hi + 1) // 2
-        if cost.seconds_for(decode_batch, mid) <= itl_target_s:
+        if fits(mid):
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
-def resolve_prefill_chunk(config: EngineConfig, cost: CostModel) -> EngineConfig:
-    """`prefillChunkSize` left null with an `itlTargetMs`: the largest chunk that keeps a step with a
-    full decode batch (`maxSequences`) within the target under this cost model. The engine and the
-    simulator both call this, so the integer is derived from a measurement, never borrowed."""
-    sp = config.scheduler
-    if sp.prefill_chunk_size is not None or sp.itl_target_ms is None:
-        return config
-    chunk = derive_chunk_size(cost, sp.itl_target_ms / 1000.0, sp.max_sequences, sp.token_budget)
-    return config.model_copy(update={"scheduler": sp.model_copy(update={"prefill_chunk_size": chunk})})
+def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None, device: str = "cpu") -> SchedulerLimits:
+    """Fill a null `tokenBudget` / `prefillChunkSize` from a cost model in seconds and the ITL
+    target (`itlTargetMs`, else DEFAULT_ITL_TARGET_MS for the device): the budget is the largest
+    step of prefill tokens predicted within the target, the chunk what a step with TYPICAL_DECODES
+    decodes leaves. Explicit values win. When anything is derived, or `itlTargetMs` is set, the
+    limits carry the target, and the scheduler bounds each step's total predicted time by it."""
+    derive = sp.token_budget is None or sp.prefill_chunk_size is None
+    if cost is None or isinstance(cost, UnitCost):
+        if sp.itl_target_ms is not None:
+            raise CostModelError("scheduler.itlTargetMs needs a cost model in seconds (measured, a table or linear), "
+                                 "not " + ("none" if cost is None else "the unit model, which counts steps"))
+        budget = sp.token_budget if sp.token_budget is not None else STATIC_TOKEN_BUDGET
+        chunk = sp.prefill_chunk_size if sp.prefill_chunk_size is not None else min(STATIC_PREFILL_CHUNK, budget)
+        return SchedulerLimits(budget, chunk, None, "static" if derive else "set")
+    target_ms = sp.itl_target_ms
+    if target_ms is None and derive:
+        target_ms = DEFAULT_ITL_TARGET_MS.get(device.split(":")[0], DEFAULT_ITL_TARGET_MS["cpu"])
+    target_s = (target_ms or 0.0) / 1000.0
+    budget = sp.token_budget
+    if budget is None:
+        budget = max(MIN_DERIVED_BUDGET, _largest(lambda b: cost.seconds_for(0, b) <= target_s, MAX_DERIVED_BUDGET))
+    chunk = sp.prefill_chunk_size
+    if chunk is None:
+        d = min(sp.max_sequences, TYPICAL_DECODES, max(0, budget - 1))
+        chunk = max(min(MIN_DERIVED_BUDGET, budget),
+                    _largest(lambda p: cost.seconds_for(d, p) <= target_s, budget - d))
+    return SchedulerLimits(budget, min(chunk, budget), target_ms, "derived" if derive else "set")
+
+
+def apply_limits(config: EngineConfig, limits: SchedulerLimits) -> EngineConfig:
+    """The config with the limits written in (what the scheduler then runs with)."""
+    update = {"token_budget": limits.token_budget, "prefill_chunk_size": limits.prefill_chunk_size,
+              "itl_target_ms": limits.itl_target_ms}
+    return config.model_copy(update={"scheduler": config.scheduler.model_copy(update=update)})
 
 
 def load_cost_model(spec: str, block_size: int = 16) -> CostModel:
@@ -183,6 +231,11 @@ def load_cost_model(spec: str, block_size: int = 16) -> CostModel:
         return UnitCost()
     if spec == "linear":
         return LinearCost(block_size=block_size)
+    return cost_model_from_document(read_cost_document(spec), spec, block_size)
+
+
+def read_cost_document(spec: str) -> dict:
+    """The JSON object in a cost-model file."""
     path = Path(spec)
     try:
         doc = json.loads(path.read_text())
@@ -192,7 +245,22 @@ def load_cost_model(spec: str, block_size: int = 16) -> CostModel:
         raise CostModelError(f"{spec}: not valid JSON: {e}") from e
     if not isinstance(doc, dict):
         raise CostModelError(f"{spec}: expected a JSON object")
+    return doc
+
+
+def builtin_document(cost: CostModel) -> dict:
+    """The document form of a built-in model (what `/debug/cost-model` returns for it)."""
+    if isinstance(cost, UnitCost):
+        return {"kind": "unit"}
+    return {"kind": cost.name, **{f.name: getattr(cost, f.name) for f in fields(cost) if f.name != "name"}}
+
+
+def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: int = 16) -> CostModel:
+    """A cost model from its document (`magnitude profile`'s file, the engine's calibration)."""
+    doc = dict(doc)
     kind = doc.pop("kind", "table" if "seconds" in doc else "linear")
+    if kind == "unit" and not set(doc) - {"meta"}:
+        return UnitCost()
     doc.pop("meta", None)
     cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
     if cls is None:

@@ -17,7 +17,7 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
-from magnitude.sim.cost import CostModel, resolve_prefill_chunk
+from magnitude.sim.cost import CostModel, apply_limits, derive_scheduler_limits
 from magnitude.sim.speculation import SpecModel, spec_simulation
 from magnitude.sim.trace import TraceError, TraceRecord, prefix_token_ids
 
@@ -64,9 +64,9 @@ class CostModelRunner:
 
 
 def resolve_sim_config(config: EngineConfig, cost_model: CostModel) -> EngineConfig:
-    """Fill what the engine would measure: kvCache.numBlocks when null, and prefillChunkSize when
-    null with an itlTargetMs (derived from the cost model at a full decode batch)."""
-    config = resolve_prefill_chunk(config, cost_model)
+    """Fill what the engine would measure: kvCache.numBlocks when null, and a null tokenBudget /
+    prefillChunkSize derived from the cost model for the ITL target, as the engine derives them."""
+    config = apply_limits(config, derive_scheduler_limits(config.scheduler, cost_model))
     if config.kv_cache.num_blocks is not None:
         return config
     return config.model_copy(update={"kv_cache": config.kv_cache.model_copy(update={"num_blocks": DEFAULT_SIM_BLOCKS})})
