@@ -35,7 +35,7 @@ def test_no_swap_space_measures_nothing() -> None:
 def test_measure_attention_times_real_steps_at_two_contexts(runner) -> None:
     from magnitude.runner.attention_cost import measure_attention
 
-    figures = measure_attention(runner, decodes=2, contexts=(16, 64), chunk=16, repeats=1)
+    figures = measure_attention(runner, context=16, decodes=2, chunk=16, repeats=1)
     assert figures.decode_context == 16
     assert figures.per_decode_context_token >= 0.0 and figures.per_attention_pair >= 0.0
     assert set(figures.to_document()) == {"per_decode_context_token", "per_attention_pair", "decode_context"}

@@ -4,8 +4,10 @@ The step table (`magnitude profile`, the start-up calibration) is measured with 
 one context length and the prefill chunk from position 0, so it cannot tell a decode of a 3,000-
 token document from one of a 200-token chat, nor a chunk deep into a long prompt from the first
 one. `measure_attention` times the same real steps at two context lengths: `decodes` decodes at
-`contexts[0]` and at `contexts[1]` tokens, and a prefill chunk of `chunk` tokens starting at 0 and
-at `contexts[1] - chunk` (the median of `repeats` runs each, after one unmeasured run). The slopes
+`context` (the table's) and at a far context (4x, as far as the KV pool and the model's context
+allow), and a prefill chunk of `chunk` tokens starting at 0 and ending at the far context (the
+fastest of `repeats` runs each, after one unmeasured run: other processes only ever add time, as
+in the table's own cells). The slopes
 are `per_decode_context_token` (seconds per decode per context token) and `per_attention_pair`
 (seconds per query-key pair of a prefill chunk), which `sim/cost.py TableCost` charges away from
 the table's measured shape. They are kept apart because decode attention (one query gathering a
@@ -15,7 +17,6 @@ Torch-free at import, like the other measuring functions the CLI imports.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from magnitude.engine.sampling import SamplingParams
 class AttentionFigures:
     per_decode_context_token: float  # seconds per decode per context token
     per_attention_pair: float  # seconds per query-key pair of a prefill chunk
-    decode_context: int  # the table's decode context these correct from (contexts[0])
+    decode_context: int  # the table's decode context these correct from
 
     def to_document(self) -> dict:
         """The cost-model keys (sim/cost.py TableCost)."""
@@ -53,18 +54,21 @@ def _chunk_plan(start: int, n: int, block_size: int) -> StepPlan:
 
 def _time(runner: Any, plan: StepPlan, repeats: int) -> float:
     runner.execute(plan)  # unmeasured: first-shape effects
-    return statistics.median(runner.execute(plan).duration_s for _ in range(max(1, repeats)))
+    return min(runner.execute(plan).duration_s for _ in range(max(1, repeats)))
 
 
-def measure_attention(runner: Any, decodes: int = 8, contexts: tuple[int, int] = (256, 1024), chunk: int = 128,
+def measure_attention(runner: Any, context: int = 256, decodes: int = 8, chunk: int = 128,
                       repeats: int = 3) -> AttentionFigures:
-    lo, hi = contexts
     bs = runner.block_size
-    d = max(1, min(decodes, runner.num_blocks // _blocks(hi, 1, bs)))
-    decode_slope = (_time(runner, _decode_plan(d, hi, bs), repeats)
-                    - _time(runner, _decode_plan(d, lo, bs), repeats)) / (d * (hi - lo))  # per decode per token
-    start = max(0, hi - chunk)
-    prefill_slope = (_time(runner, _chunk_plan(start, chunk, bs), repeats)
-                     - _time(runner, _chunk_plan(0, chunk, bs), repeats)) / (chunk * start) if start else 0.0
+    far = min(4 * context, runner.num_blocks * bs - 1, getattr(runner, "max_model_len", 1 << 30) - 1)
+    if far <= context:  # nothing to compare: no correction
+        return AttentionFigures(0.0, 0.0, context)
+    d = max(1, min(decodes, runner.num_blocks // _blocks(far, 1, bs)))
+    decode_slope = (_time(runner, _decode_plan(d, far, bs), repeats)
+                    - _time(runner, _decode_plan(d, context, bs), repeats)) / (d * (far - context))
+    n = min(chunk, far)
+    start = far - n
+    prefill_slope = (_time(runner, _chunk_plan(start, n, bs), repeats)
+                     - _time(runner, _chunk_plan(0, n, bs), repeats)) / (n * start) if start else 0.0
     # A negative slope is noise around zero (a busy machine), not cheaper attention.
-    return AttentionFigures(max(0.0, decode_slope), max(0.0, prefill_slope), lo)
+    return AttentionFigures(max(0.0, decode_slope), max(0.0, prefill_slope), context)

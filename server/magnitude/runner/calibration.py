@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
+from magnitude.runner.attention_cost import measure_attention
+from magnitude.runner.swap_bandwidth import measure_swap
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +55,6 @@ def _plan(d: int, p: int, context: int, block_size: int, step: int) -> StepPlan:
 
 def blocks_needed(decodes: list[int], prefills: list[int], context: int, block_size: int) -> int:
     return max(decodes) * -(-(context + 1) // block_size) + -(-max(prefills) // block_size) + 1
-
-
-def _swap_seconds_per_token(runner: Any) -> float:
-    n = min(runner.num_blocks, runner.num_swap_blocks)
-    if n == 0:
-        return 0.0
-    pairs = [(i, i) for i in range(n)]
-    t0 = time.perf_counter()
-    runner.kv.swap_out(pairs)
-    runner.kv.swap_in(pairs)
-    return (time.perf_counter() - t0) / (2 * n * runner.block_size)
 
 
 def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context: int, repeats: int,
@@ -95,7 +86,9 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
         "decode_batch_sizes": decodes,
         "prefill_tokens": prefills,
         "seconds": seconds,
-        "per_swap_token": _swap_seconds_per_token(runner),
+        "per_swap_token": measure_swap(runner, max(1, repeats)).per_swap_token,
+        # Attention away from the grid's shape (long contexts, several prompts per step): sim/cost.py
+        **measure_attention(runner, context, repeats=max(1, repeats)).to_document(),
         "block_size": block_size,
         "meta": {
             "model": runner.model_name,

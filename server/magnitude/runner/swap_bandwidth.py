@@ -2,7 +2,8 @@
 
 `measure_swap` times the runner's own block copies (kv_pool's `swap_out` then `swap_in`, what a
 swap preemption and its return cost) over as many blocks as both pools allow, after one
-unmeasured round, the median of `repeats` rounds, with the device synchronised so an
+unmeasured round, the fastest of `repeats` rounds (other processes only ever add time), with the
+device synchronised so an
 asynchronous copy is not timed as free. It gives `per_swap_token` (seconds per token moved one
 way: the cost model's figure, sim/cost.py) and the bandwidth it implies. `magnitude profile` and
 the engine's start-up calibration call it; `preemptionMode: auto` weighs a victim's swap against
@@ -12,7 +13,6 @@ request is swapped out (host blocks are overwritten).
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +52,6 @@ def measure_swap(runner: Any, repeats: int = 3, max_blocks: int = 64) -> SwapFig
         return time.perf_counter() - t0
 
     round_trip()  # unmeasured: first-copy effects (allocation, pinning)
-    seconds = max(statistics.median(round_trip() for _ in range(max(1, repeats))), 1e-9)
+    seconds = max(min(round_trip() for _ in range(max(1, repeats))), 1e-9)
     tokens = 2 * n * runner.block_size
     return SwapFigures(seconds / tokens, 2 * n * block_bytes(runner.kv) / seconds, n)
