@@ -37,7 +37,7 @@ CALIBRATION_PREFILLS = (0, 16, 64, 256)
 CALIBRATION_CONTEXT = 256
 CALIBRATION_REPEATS = 2
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "1"
+CALIBRATION_VERSION = "2"  # 2: per_swap_token by measure_swap, the attention figures
 
 ProgressFn = Callable[[float], None]
 
