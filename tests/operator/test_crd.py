@@ -71,7 +71,8 @@ def test_server_defaults_equal_the_engine_defaults(crd_validate: Any) -> None:
     engine_view = ModelServiceSpec.model_validate(MINIMAL)
     assert ModelServiceSpec.model_validate(defaulted["spec"]) == engine_view
     dumped = engine_view.model_dump(mode="json", by_alias=True, exclude_none=True)
-    del dumped["scheduler"]["prefillChunkSize"]  # left to the engine on purpose (crd.NO_SERVER_DEFAULT)
+    # tokenBudget and prefillChunkSize default to null (derived by the engine): no server default.
+    assert "tokenBudget" not in dumped["scheduler"] and "prefillChunkSize" not in dumped["scheduler"]
     assert defaulted["spec"] == dumped
 
 
@@ -151,10 +152,17 @@ def test_every_quantization_method_validates_int8_included(crd_validate: Any, qu
     assert ModelServiceSpec.model_validate(spec).quantization == quantization
 
 
-def test_explicit_null_chunk_is_accepted(crd_validate: Any) -> None:
-    spec = {**MINIMAL, "scheduler": {"prefillChunkSize": None, "itlTargetMs": 50}}
+def test_explicit_nulls_are_accepted(crd_validate: Any) -> None:
+    spec = {**MINIMAL, "scheduler": {"tokenBudget": None, "prefillChunkSize": None, "itlTargetMs": 50}}
     assert crd_validate(model_service(spec))[1] == []
-    assert ModelServiceSpec.model_validate(spec).scheduler.prefill_chunk_size is None
+    sp = ModelServiceSpec.model_validate(spec).scheduler
+    assert sp.token_budget is None and sp.prefill_chunk_size is None
+
+
+def test_a_chunk_alone_is_not_checked_against_the_derived_budget(crd_validate: Any) -> None:
+    """Only an explicit chunk over an explicit budget is refused; the engine caps a set chunk at a
+    derived budget."""
+    assert crd_validate(model_service({**MINIMAL, "scheduler": {"prefillChunkSize": 4096}}))[1] == []
 
 
 @pytest.mark.parametrize("auth", [{}, {"mode": "none"}, {"mode": "trustedGateway"},

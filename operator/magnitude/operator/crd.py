@@ -73,8 +73,9 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
     ],
     "SchedulerPolicy": [
         {
-            # type() guards an explicit null (prefillChunkSize is nullable: null derives it).
+            # type() guards an explicit null (both are nullable: null derives them on the engine).
             "rule": "!has(self.prefillChunkSize) || type(self.prefillChunkSize) != int"
+            " || !has(self.tokenBudget) || type(self.tokenBudget) != int"
             " || self.prefillChunkSize <= self.tokenBudget",
             "message": "prefillChunkSize must be less than or equal to tokenBudget",
             "fieldPath": ".prefillChunkSize",
@@ -153,10 +154,10 @@ LIST_MAP_KEYS: dict[tuple[str, str], list[str]] = {
     ("ModelServiceStatus", "conditions"): ["type"],
 }
 
-# Defaults the API server must NOT fill in, so a CEL rule sees only what the user wrote: the
-# engine's default chunk (512) simply caps at a smaller tokenBudget, but an explicit chunk larger
-# than the budget is a mistake worth refusing.
-NO_SERVER_DEFAULT: set[tuple[str, str]] = {("SchedulerPolicy", "prefillChunkSize")}
+# Defaults the API server must NOT fill in, so a CEL rule sees only what the user wrote: left out,
+# the engine derives both from its measured cost model (a derived chunk never exceeds the derived
+# budget), but an explicit chunk larger than an explicit budget is a mistake worth refusing.
+NO_SERVER_DEFAULT: set[tuple[str, str]] = {("SchedulerPolicy", "prefillChunkSize"), ("SchedulerPolicy", "tokenBudget")}
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
@@ -253,8 +254,9 @@ class _Converter:
                 required.append(alias)
             elif has_default and self.with_defaults and (cls.__name__, alias) not in NO_SERVER_DEFAULT:
                 prop["default"] = default
-            if null_ok and has_default:
-                prop["nullable"] = True  # null is a distinct choice from the default here
+            if null_ok and (has_default or (cls.__name__, alias) in NO_SERVER_DEFAULT):
+                # null is a distinct choice from the default, or (no server default) an explicit "derive"
+                prop["nullable"] = True
             keys = LIST_MAP_KEYS.get((cls.__name__, alias))
             if keys:
                 prop["x-kubernetes-list-type"] = "map"

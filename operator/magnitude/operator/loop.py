@@ -37,7 +37,6 @@ from magnitude.operator.engine_client import set_shedding
 from magnitude.operator.quantization import PodReport
 from magnitude.operator.reconcile import SpecInvalid, operator_key, parse_spec, parse_status, reconcile
 from magnitude.operator.scrape import PodInfo, Scraper, pod_url
-from magnitude.operator.spec import HF_SCHEME
 from magnitude.operator.status import memory_from_status
 
 log = logging.getLogger(__name__)
@@ -144,10 +143,9 @@ async def tick(kube: Kube, entry: Entry, client: httpx.AsyncClient) -> None:
     decision: Decision
     reports: tuple[PodReport, ...] | None = None
     try:
-        # Ready pods' /readyz too when it carries what status shows: the evaluation record of
-        # quantized weights, the commit SHA an hf:// source resolved to.
-        records = spec.quantization != "none" or spec.model.source.startswith(HF_SCHEME)
-        loads = await entry.scraper.scrape(client, pods, namespace, records=records)
+        # Ready pods' /readyz too: it carries what status shows (the scheduler's figures, derived
+        # or set; the evaluation record of quantized weights; the commit SHA of an hf:// source).
+        loads = await entry.scraper.scrape(client, pods, namespace, records=True)
         reports = entry.scraper.reports
         decision = decide(spec, current, loads, memory, now=time.time())
     except Exception as e:  # noqa: BLE001 - whatever a pod served, the reconcile below must still run

@@ -77,6 +77,9 @@ class PodReport:
     revision: str | None = None  # hf:// sources: the commit SHA they were pinned to
     bytes_done: int | None = None  # phase downloading: bytes on disk so far
     bytes_total: int | None = None  # phase downloading: bytes the download will have
+    # What its scheduler runs with (a ready pod's /readyz `scheduler`): (tokenBudget, prefillChunkSize,
+    # itlTargetMs or None, source).
+    scheduler: tuple[int, int, float | None, str] | None = None
 
 
 @dataclass(frozen=True)

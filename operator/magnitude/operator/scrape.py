@@ -12,7 +12,8 @@ NaN, an infinity, a negative count, a KV ratio outside [0, 1], buckets that are 
 with `MetricsRejected`. Either way the pod has no metrics this tick and its `PodLoad.problem`
 says why, so the policy holds and the Scaling condition names the pod; nothing escapes the tick.
 
-`/readyz` is read too, from every pod with an address, ready or not: a not-ready pod's phase
+`/readyz` is read too, from every pod with an address, ready or not: a ready pod's scheduler figures
+(status.scheduler); a not-ready pod's phase
 (`quantization_rejected`, `failed`, `dead`: it will not become ready by waiting) tells the
 autoscaler to stop counting it as capacity on its way, and a quantized service's pods report
 their quantization evaluation record there (`quantization.PodReport`), which becomes the
@@ -282,7 +283,25 @@ async def fetch_readiness(client: httpx.AsyncClient, url: str | None, pod: str) 
     return PodReport(pod=pod, phase=phase[:64] if isinstance(phase, str) else None, bytes_done=done, bytes_total=total,
                      record=parse_record(doc.get("quantization")),
                      source=source[:1024] if isinstance(source, str) and status == 200 else None,
-                     revision=revision[:256] if isinstance(revision, str) and status == 200 else None)
+                     revision=revision[:256] if isinstance(revision, str) and status == 200 else None,
+                     scheduler=_scheduler(doc.get("scheduler")) if status == 200 else None)
+
+
+SCHEDULER_SOURCES = ("set", "derived", "static")
+
+
+def _scheduler(value: Any) -> tuple[int, int, float | None, str] | None:
+    """A ready pod's scheduler figures, or None unless every one is sane (positive integers, a
+    positive finite target or null, a known source): a pod's garbage never reaches status."""
+    if not isinstance(value, dict):
+        return None
+    budget, chunk, target, source = (value.get(k) for k in ("tokenBudget", "prefillChunkSize", "itlTargetMs", "source"))
+    if _count(budget) in (None, 0) or _count(chunk) in (None, 0) or source not in SCHEDULER_SOURCES:
+        return None
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not math.isfinite(target) or target <= 0):
+        return None
+    return budget, chunk, None if target is None else float(target), source
 
 
 def _count(value: Any) -> int | None:

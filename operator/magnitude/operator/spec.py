@@ -472,6 +472,19 @@ class ModelStatus(PolicyModel):
     revision: str = Field(default="", max_length=256, description="hf:// sources: the commit SHA served.")
 
 
+class SchedulerStatus(PolicyModel):
+    """What the ready pods' schedulers run with, as their /readyz reports it (the engine derives a
+    null tokenBudget / prefillChunkSize from the cost model it measured at start-up)."""
+
+    token_budget: int = Field(ge=1, description="Most tokens one step computes.")
+    prefill_chunk_size: int = Field(ge=1, description="Most prompt tokens one sequence computes in one step.")
+    itl_target_ms: float | None = Field(
+        default=None, description="The ITL target each step is bounded by (null: no per-step bound).")
+    source: Literal["set", "derived", "static"] = Field(
+        description="set: all from the spec; derived: a null one derived from the measured cost model; "
+        "static: a null one with no cost model (the fixed defaults).")
+
+
 class ModelServiceStatus(PolicyModel):
     """`status` of a ModelService."""
 
@@ -483,6 +496,7 @@ class ModelServiceStatus(PolicyModel):
     service_version: str = Field(default="", description="Hash of model + quantization + dtype + scheduler policy.")
     load: LoadSnapshot | None = None
     model: ModelStatus | None = None
+    scheduler: SchedulerStatus | None = None
     autoscaler: AutoscalerMemory | None = None
     conditions: list[Condition] = Field(default_factory=list, max_length=16)
 

@@ -17,7 +17,7 @@ from typing import Any
 from magnitude.operator import autoscaler as a
 from magnitude.operator import quantization as q
 from magnitude.operator.spec import (AutoscalerMemory, Condition, LoadSnapshot, ModelServiceStatus, ModelStatus,
-                                     Recommendation)
+                                     Recommendation, SchedulerStatus)
 from magnitude.operator.validation import Problem
 
 READY, PROGRESSING, DEGRADED, SCALING, SHEDDING = "Ready", "Progressing", "Degraded", "Scaling", "Shedding"
@@ -135,6 +135,7 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
 
     load, memory = prev.load, prev.autoscaler
     model = served_model(obs.pod_reports, prev.model)
+    scheduler = served_scheduler(obs.pod_reports, prev.scheduler)
     if decision is not None:
         _set(conds, SCALING, "True" if decision.reason in SCALING_ACTIVE else "False", decision.reason,
              decision.message, generation, now)
@@ -154,6 +155,7 @@ def build(prev: ModelServiceStatus | None, generation: int | None, obs: Observed
         service_version=obs.service_version,
         load=load,
         model=model,
+        scheduler=scheduler,
         autoscaler=memory,
         conditions=[conds[t] for t in CONDITION_ORDER if t in conds],
     )
@@ -181,6 +183,16 @@ def served_model(reports: tuple[q.PodReport, ...] | None, prev: ModelStatus | No
         return prev
     (source, revision), _ = Counter(said).most_common(1)[0]
     return ModelStatus(source=source, revision=revision)
+
+
+def served_scheduler(reports: tuple[q.PodReport, ...] | None, prev: SchedulerStatus | None) -> SchedulerStatus | None:
+    """What the ready pods' schedulers run with (derived on each pod from its measured cost model, or
+    set); pods may differ (hardware, a rollout), and the most common answer wins. Kept when none said."""
+    said = [r.scheduler for r in reports or () if r.scheduler is not None]
+    if not said:
+        return prev
+    (budget, chunk, target, source), _ = Counter(said).most_common(1)[0]
+    return SchedulerStatus(token_budget=budget, prefill_chunk_size=chunk, itl_target_ms=target, source=source)
 
 
 def _quantization(conds: dict[str, Condition], obs: Observed, generation: int | None, now: str) -> str | None:

@@ -79,12 +79,8 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
         problems.append(Problem("spec.extraArgs",
                                 f"{METRICS_COMPAT_FLAG} would override spec.metrics.compat without a word; "
                                 "set spec.metrics.compat instead"))
-    sp = spec.scheduler
-    if sp.prefill_chunk_size is None and sp.itl_target_ms is not None:
-        problems.append(Problem("spec.scheduler.itlTargetMs",
-                                "deriving prefillChunkSize needs a cost model measured on the serving hardware, "
-                                "which engine pods do not carry yet: set spec.scheduler.prefillChunkSize "
-                                "(`magnitude profile --itl-target` prints it)"))
+    # scheduler.itlTargetMs is accepted: engine pods calibrate their cost model at start-up (or read
+    # it from the model cache), derive what is null and report it; status.scheduler shows it.
     return problems
 
 
