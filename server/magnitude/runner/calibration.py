@@ -7,7 +7,8 @@ of `repeats` passes over the grid. Its result is the simulator's `table` cost mo
 (sim/cost.py reads it; `GET /debug/cost-model` returns it). `calibrated_cost_model` is the engine's
 entry: the cached table for this model, weights and hardware, else a short measurement (the grid
 below, a few seconds on two CPU cores), reported as progress and written to
-`$MAGNITUDE_CACHE/cost-models/<key>.json`.
+`$MAGNITUDE_CACHE/cost-models/<key>.json` — unless the load average exceeded this process's CPUs
+while measuring: such a table is used, not kept.
 
 Torch-free at import (the key's ISA description imports torch only when called), so the CLI can
 import it cheaply.
@@ -187,9 +188,26 @@ def calibrated_cost_model(runner: Any, cache_dir: Path | None, progress: Progres
     doc = profile_runner(runner, *grid, repeats=CALIBRATION_REPEATS, progress=progress)
     doc["meta"]["calibration_seconds"] = round(time.perf_counter() - t0, 3)
     doc["meta"]["cache_key"] = key or None
+    busy = _busy()
+    doc["meta"]["load_average"] = busy[0]
     log.info("calibrated the step-cost table in %.1f s (%d cells)", doc["meta"]["calibration_seconds"],
              len(grid[0]) * len(grid[1]))
-    if cache_dir is not None:
+    if cache_dir is not None and busy[1]:
+        # Other processes inflated these times: use them now, but do not make every later start
+        # of this model on this hardware inherit them.
+        log.warning("not caching the step-cost table: load average %.1f over %d CPUs while measuring",
+                    busy[0], busy[2])
+    elif cache_dir is not None:
         save_cached(cache_dir, key, doc)
     doc["meta"]["cached"] = False
     return doc
+
+
+def _busy() -> tuple[float | None, bool, int]:
+    """(1-minute load average, whether it exceeded the CPUs this process may use, those CPUs)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None, False, cpus
+    return round(load, 2), load > cpus, cpus
