@@ -8,6 +8,7 @@ events; a step's end is one too, ordered before arrivals at the same instant.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from magnitude.engine.events import SchedulerEvent
@@ -113,7 +114,9 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
         queued = rec.arrival + (rec.preparation or 0.0)
         heap.push(queued, ARRIVAL, req)
         if rec.cancel_at is not None:
-            heap.push(max(rec.cancel_at, queued), CANCEL, req.request_id)
+            # A cancel at or before its queueing goes right after its arrival (cancels sort first at one instant).
+            at = rec.cancel_at if rec.cancel_at > queued else math.nextafter(queued, math.inf)
+            heap.push(at, CANCEL, req.request_id)
 
     in_flight: tuple[StepPlan, RunnerOutput, float] | None = None
     now = 0.0
