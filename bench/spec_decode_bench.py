@@ -11,8 +11,8 @@ the prompt) and a chat trace (short questions in the chat template). Batch 1: ea
 cycled). Modes: off (no draft), ngram (draftModel mode on), auto (engine/speculation.py deciding
 from the measured step times, fed as AsyncEngine feeds it), and one mode per `--drafts` entry: a
 draft model (runner/draft_model.py, mode on) — `self:N` (the target's first N layers sharing its
-weights), a model source, or `w8a16:SRC` (that source loaded again with int8 weight-only linears:
-a quantized copy drafting for the float32 target; bench-only). Prints per trace, batch and mode:
+weights), a model source, or `w8a16:SRC` (that source with draftModel.quantization w8a16, int8
+weight-only linears: a quantized copy drafting for the float32 target). Prints per trace, batch and mode:
 decode tokens/s (output tokens after each request's first / time from the first token to the
 last: summed per request at batch 1, the batch's span at batch 8), ITL p50/p99 per token (tokens
 that land together count as gaps of 0), E2E p50/p99 (arrival to last token) and the proposer's
@@ -36,7 +36,7 @@ from magnitude.engine.scheduler import Scheduler  # noqa: E402
 from magnitude.engine.speculation import SpeculationPolicy  # noqa: E402
 from magnitude.policy.load import resolve_config  # noqa: E402
 from magnitude.runner import ModelRunner  # noqa: E402
-from magnitude.runner.draft_model import DraftModelProposer, load_draft, loaded_draft  # noqa: E402
+from magnitude.runner.draft_model import DraftModelProposer, load_draft  # noqa: E402
 from magnitude.runner.spec_decode import NgramProposer  # noqa: E402
 
 PASSAGES = [
@@ -64,16 +64,9 @@ CHAT = [
 
 def draft_proposer(runner: ModelRunner, spec: str) -> DraftModelProposer:
     """A draft model for `runner` from a --drafts entry (`w8a16:SRC`: SRC with int8 weight-only linears)."""
-    if spec.startswith("w8a16:"):
-        from magnitude.runner.attention import ATTN_IMPLEMENTATION
-        from magnitude.runner.loading import load_model
-        from magnitude.runner.quantize import CALIBRATION_TEXT, quantize_linears
-
-        loaded = load_model(spec.removeprefix("w8a16:"), "cpu", "float32", attn_implementation=ATTN_IMPLEMENTATION)
-        quantize_linears(loaded.model, "w8a16", runner.device, runner.tokenizer(CALIBRATION_TEXT)["input_ids"])
-        parts = loaded_draft(loaded.model, spec)
-    else:
-        parts = load_draft(spec, runner.model, runner.tokenizer, str(runner.device), runner.dtype)
+    source, quantization = (spec.removeprefix("w8a16:"), "w8a16") if spec.startswith("w8a16:") else (spec, "none")
+    parts = load_draft(source, runner.model, runner.tokenizer, str(runner.device), runner.dtype,
+                       quantization=quantization)
     return DraftModelProposer(parts, runner.vocab_size, runner.block_size, runner.num_blocks, 0, runner.device,
                               runner.kv.shape.dtype, seed=0)
 
