@@ -7,7 +7,9 @@ registered paged attention reads/writes our KV pool by the plan's block tables. 
 only on the rows that sample; a row the sampler cannot sample fails its request alone too. Recompute needs nothing here: the scheduler simply re-prefills.
 
 Speculative decoding hook: a `DraftProposer` (none by default) fills a decode's `num_lookahead`
-slots with draft tokens (prompt lookup: runner/spec_decode.py); the step computes them together.
+slots with draft tokens (prompt lookup: runner/spec_decode.py; a draft model: runner/draft_model.py,
+whose own KV pool shares the step's swaps and whose forwards run for the whole step before the
+target's); the step computes them together.
 Greedy verification keeps the drafts matching the argmax plus one model token; random sampling
 verifies by rejection sampling (`Sampler.verify`), so the output distribution is the target's.
 Grammars and penalties draft too: each verification position is masked and penalised as a plain
