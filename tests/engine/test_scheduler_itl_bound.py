@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from magnitude.engine.scheduler import Scheduler
+from magnitude.engine.scheduler import ITL_PREFILL_FLOOR, Scheduler
 from magnitude.policy.load import resolve_config
 
 from sched_helpers import fake_output, make_request, shape
@@ -70,6 +70,19 @@ def test_decodes_that_use_the_whole_target_leave_no_prefill_but_keep_decoding() 
     plan = s.schedule(1.0)
     assert [rid for rid, _, _ in shape(plan)] == [f"d{i}" for i in range(6)]
     assert s.get_request("late").status.value == "waiting"
+
+
+def test_decodes_that_alone_miss_the_target_still_let_a_little_prefill_in() -> None:
+    """A machine slower than the target: the step is late whatever it carries, so prefill gets
+    ITL_PREFILL_FLOOR tokens rather than waiting for every running request to finish."""
+    s = scheduler("scheduler.prefillChunkSize=1000", "scheduler.itlTargetMs=30")
+    decoding(s, 6)  # 40 ms > 30 ms
+    s.add_request(make_request("late", 100, 4), 1.0)
+    s.add_request(make_request("later", 100, 4), 1.0)
+    plan = s.schedule(1.0)
+    chunks = [(rid, n) for rid, n, _ in shape(plan) if not rid.startswith("d")]
+    assert chunks == [("late", ITL_PREFILL_FLOOR)]  # the floor is per step, not per request
+    assert s.get_request("later").status.value == "waiting"
 
 
 def test_a_step_without_decodes_is_not_bounded() -> None:

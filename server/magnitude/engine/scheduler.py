@@ -46,6 +46,8 @@ from magnitude.policy.schema import STATIC_PREFILL_CHUNK, STATIC_TOKEN_BUDGET, E
 _EMA = 0.2
 # Finished requests seen before their mean output length replaces admission.expectedOutputTokens.
 MIN_OUTPUT_SAMPLES = 8
+# Prefill tokens a step may carry when its decodes alone already miss the ITL target.
+ITL_PREFILL_FLOOR = 16
 _TERMINAL_EVENT: dict[RequestStatus, EventKind] = {
     RequestStatus.FINISHED: "finish",
     RequestStatus.CANCELLED: "cancel",
@@ -73,6 +75,7 @@ class _Step:
     swapped_in: set[str] = field(default_factory=set)
     cost_decodes: int = 0  # the step's shape for the ITL bound: one-token sampling chunks
     cost_prefill: int = 0  # and every other token (chunks, draft positions)
+    itl_floor_left: int = 0  # prefill tokens still allowed in a step whose decodes alone miss the target
 
 
 class Scheduler:
@@ -284,7 +287,7 @@ class Scheduler:
         self.step_id += 1
         self._expire_deadlines(now)
         self.kv.begin_step()
-        step = _Step(StepPlan(self.step_id), self.token_budget)
+        step = _Step(StepPlan(self.step_id), self.token_budget, itl_floor_left=ITL_PREFILL_FLOOR)
         plan = step.plan
         plan.released, self._to_release = self._to_release, []
         for rid in plan.released:
@@ -367,7 +370,14 @@ class Scheduler:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo if lo and fits(lo) else 0
+        if lo or cost(d, p) <= target:
+            return lo
+        # The decodes alone already miss the target (a machine slower than the target): the step is
+        # late whatever it carries, so prefill still gets ITL_PREFILL_FLOOR tokens, or admission would
+        # wait for every running request to finish.
+        m = min(n, step.itl_floor_left)
+        step.itl_floor_left -= m
+        return m
 
     def _schedule_partial_prefills(self, step: _Step, partials: list[Request], now: float) -> None:
         # Sorted by level, then least recently served: round-robin within a level.
