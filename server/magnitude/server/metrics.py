@@ -117,13 +117,6 @@ class EngineMetrics:
                                          "computes in one step.", ("source",))
         self.scheduler_itl_target = g("scheduler_itl_target_seconds", "The ITL target each step's predicted time "
                                       "stays within while requests decode (absent: no per-step bound).", ("source",))
-        # What the scheduler runs with; source: set (the config's), derived (from the measured cost
-        # model and the ITL target), static (null with no cost model: the fixed defaults).
-        self.scheduler_token_budget = g("scheduler_token_budget", "Most tokens one step computes.", ("source",))
-        self.scheduler_prefill_chunk = g("scheduler_prefill_chunk_tokens", "Most prompt tokens one sequence "
-                                         "computes in one step.", ("source",))
-        self.scheduler_itl_target = g("scheduler_itl_target_seconds", "The ITL target each step's predicted time "
-                                      "stays within while requests decode (absent: no per-step bound).", ("source",))
         self.model_info = g("model_info", "1 for the loaded model; labels say what it is and how it runs.",
                             ("model", "device", "dtype", "quantization", "service_version"))
         q = ("model", "method")
@@ -274,13 +267,6 @@ class EngineMetrics:
         self.registry.register(_DecisionCounts(counts))
 
     # -- state ------------------------------------------------------------------------------
-    def set_scheduler_limits(self, token_budget: int, prefill_chunk: int, itl_target_ms: float | None,
-                             source: str) -> None:
-        self.scheduler_token_budget.labels(source).set(token_budget)
-        self.scheduler_prefill_chunk.labels(source).set(prefill_chunk)
-        if itl_target_ms is not None:
-            self.scheduler_itl_target.labels(source).set(itl_target_ms / 1000.0)
-
     def set_scheduler_limits(self, token_budget: int, prefill_chunk: int, itl_target_ms: float | None,
                              source: str) -> None:
         self.scheduler_token_budget.labels(source).set(token_budget)
