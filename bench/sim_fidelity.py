@@ -1,0 +1,175 @@
+"""Simulator fidelity: record a trace from the real engine, replay it in the simulator, compare.
+
+    PYTHONPATH=server .venv/bin/python bench/sim_fidelity.py [--n 24] [--seed 1] [--burst]
+        [--cost-model COST.json] [--serve-arg=--dtype=bfloat16 ...] [--keep DIR]
+
+1. `magnitude trace mixed --n N --seed S` (with --burst every arrival is 0: all N at once);
+2. `magnitude serve --record-trace` (the real model on uvicorn) under `bench/loadgen.py` replaying
+   the trace: the client-measured report is the engine's figures;
+3. the cost model: the engine's own start-up calibration (`GET /debug/cost-model`, measured in
+   the same process just before the load), or --cost-model FILE (e.g. `magnitude profile` output);
+4. `magnitude simulate` of the recorded trace with the cost model (what an operator would replay),
+   the same without the attention terms (the table alone, as before they existed), and the
+   generated trace (arrivals only: no preparation, no prefix groups);
+5. prints TTFT p50/p99, ITL p50, E2E p50 and throughput for each, and the ratio simulator / engine
+   (target 0.85-1.15), with the load average: the machine is shared, so read the ratios, not the
+   seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "server"), str(ROOT / "operator"), str(ROOT / "bench")]
+
+from magnitude.cli.main import main as cli  # noqa: E402
+from magnitude.sim.trace import load_trace, write_trace  # noqa: E402
+
+METRICS = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p50"), ("e2e", "p50"))
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def magnitude(*args: str) -> list[str]:
+    return [PYTHON, "-m", "magnitude.cli.main", *args]
+
+
+def run_cli(*args: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli(list(args))
+    if code:
+        raise SystemExit(f"magnitude {' '.join(args)} exited {code}")
+    return out.getvalue()
+
+
+def figures(report: dict) -> dict[str, float | None]:
+    s = report["summary"]
+    out: dict[str, float | None] = {f"{m}_{p}": s[m][p] for m, p in METRICS}
+    out["throughput"] = s["throughput_tokens_per_s"]
+    out["finished"] = s["finished"]
+    return out
+
+
+def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict[str, str], cost: Path) -> dict:
+    """Serve, save the engine's calibrated cost model to `cost` (unless it exists), replay the trace."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**env, "MAGNITUDE_ADMIN_TOKEN": "fidelity"}
+    server = subprocess.Popen(magnitude("serve", "--port", str(port), "--record-trace", str(recorded),
+                                        "--log-level", "warning", *serve_args), env=env)
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            if server.poll() is not None:
+                raise SystemExit(f"magnitude serve exited {server.returncode}")
+            time.sleep(0.5)
+        if not cost.exists():
+            r = httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer fidelity"}, timeout=30)
+            r.raise_for_status()
+            cost.write_text(r.text)
+        real = trace.with_suffix(".real.json")
+        subprocess.run([PYTHON, str(ROOT / "bench" / "loadgen.py"), str(trace), "--url", url, "--out", str(real)],
+                       env=env, check=True)
+        return json.loads(real.read_text())
+    finally:
+        server.send_signal(signal.SIGTERM)  # the recorder flushes on the way out
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--burst", action="store_true", help="every request arrives at 0 (a saturated engine)")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="multiply arrival, cancel and deadline times (slow machines: keep the load the trace meant)")
+    ap.add_argument("--cost-model", help="a cost-model JSON (default: the engine's calibrated one, /debug/cost-model)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="passed to `magnitude serve`")
+    ap.add_argument("--keep", help="directory for the trace, recordings and reports (default: a temporary one)")
+    args = ap.parse_args()
+
+    work = Path(args.keep or tempfile.mkdtemp(prefix="sim-fidelity-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'server'}:{ROOT / 'operator'}"}
+    trace = work / "mixed.jsonl"
+    text = run_cli("trace", "mixed", "--n", str(args.n), "--seed", str(args.seed))
+    trace.write_text(text)
+    records = load_trace(trace)
+    scale = args.time_scale
+
+    def moved(r, arrival: float):  # the same request arriving at `arrival`, its other times scaled alike
+        return r.model_copy(update={
+            "arrival": arrival,
+            "cancel_at": None if r.cancel_at is None else arrival + (r.cancel_at - r.arrival) * scale,
+            "deadline": None if r.deadline is None else arrival + (r.deadline - r.arrival) * scale})
+
+    if args.burst or scale != 1.0:
+        records = [moved(r, 0.0 if args.burst else r.arrival * scale) for r in records]
+        write_trace(records, trace)
+
+    cost = Path(args.cost_model) if args.cost_model else work / "cost.json"
+    if not args.cost_model:
+        cost.unlink(missing_ok=True)
+    recorded = work / "recorded.jsonl"
+    real = figures(serve_and_load(trace, recorded, args.serve_arg, env, cost))
+    doc = json.loads(cost.read_text())
+    table_only = work / "cost-table-only.json"
+    table_only.write_text(json.dumps({k: v for k, v in doc.items()
+                                      if k not in ("per_decode_context_token", "per_attention_pair")}))
+    rec = load_trace(recorded)
+    # The recording's clock starts with the engine; the load generator's with its first request.
+    shift = min(r.arrival for r in rec) - min(r.arrival for r in records)
+    rec = [r.model_copy(update={"arrival": r.arrival - shift,
+                                "cancel_at": None if r.cancel_at is None else r.cancel_at - shift,
+                                "deadline": None if r.deadline is None else r.deadline - shift}) for r in rec]
+    write_trace(rec, recorded)
+    sims = {
+        "recorded": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(cost), "--json"))),
+        "recorded table-only": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(table_only),
+                                                          "--json"))),
+        "generated": figures(json.loads(run_cli("simulate", str(trace), "--cost-model", str(cost), "--json"))),
+    }
+    load = os.getloadavg()
+    print(f"{'burst' if args.burst else 'mixed'} n={args.n} seed={args.seed} time-scale={scale} "
+          f"serve={' '.join(args.serve_arg) or '-'} cost={cost}"
+          f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}  ({work})")
+    names = [f"{m}_{p}" for m, p in METRICS] + ["throughput"]
+    print(f"{'':>26}" + "".join(f"{n:>14}" for n in names))
+    print(f"{'engine':>26}" + "".join(f"{real[n]:>14.4f}" for n in names))
+    for label, sim in sims.items():
+        print(f"{'sim ' + label:>26}" + "".join(f"{sim[n]:>14.4f}" for n in names))
+        print(f"{'ratio sim/engine':>26}" + "".join(
+            f"{(sim[n] / real[n] if real[n] else float('nan')):>14.3f}" for n in names))
+    print(f"finished: engine {real['finished']}, " + ", ".join(f"sim {k} {v['finished']}" for k, v in sims.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
