@@ -1,0 +1,146 @@
+"""Derived scheduler defaults against a sweep of hand-set token budgets, on the real model.
+
+    .venv/bin/python bench/derived_defaults_bench.py [--dtypes fp32,bf16,int8] [--budgets 32,48,64,128,256,2048]
+        [--traces mixed,long] [--threads 2] [--out-dir out/bench-derived]
+
+For each dtype, `magnitude serve` runs once with nothing set (tokenBudget and prefillChunkSize null:
+derived from the table it calibrates at start-up, or finds in $MAGNITUDE_CACHE/cost-models, and the
+default ITL target, 100 ms on CPU; the
+figures it derived are read from /readyz), then once per hand-set budget N (tokenBudget =
+prefillChunkSize = N, no ITL target: the setting bench/runner_bench.py hand-tunes), each given the
+derived run's table (`--cost-model`, fetched from GET /debug/cost-model) so only the first start pays
+for calibration. The traces and the streaming client are bench/runner_bench.py's and bench/loadgen.py's
+(mixed: 24 requests at once; long: chats running when a 1,500-token prompt arrives). Prints, per
+dtype and trace, output tok/s and its ratio to the best of the sweep, TTFT p50, ITL p99 and the
+longest stall inside a chat stream, and the load average before and after (a shared host makes
+every figure noisy: compare within one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "server"), str(ROOT / "bench")]
+
+import loadgen  # noqa: E402
+import runner_bench as rb  # noqa: E402
+
+from magnitude.sim.trace import write_trace  # noqa: E402
+
+DTYPES = {"fp32": ["--dtype", "float32"], "bf16": ["--dtype", "bfloat16"],
+          "int8": ["--dtype", "float32", "--quantization", "w8a8"]}
+ADMIN = "bench-admin"
+
+
+def serve(flags: list[str], sets: list[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = rb.free_port()
+    cmd = [rb.PY, "-m", "magnitude.cli.main", "serve", "--port", str(port), "--log-level", "info", *flags]
+    for s in ["scheduler.maxSequences=32", "kvCache.numBlocks=1024", "admission.maxQueueWaitSeconds=600", *sets]:
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_setting(name: str, flags: list[str], sets: list[str], traces: dict[str, Path], env: dict[str, str],
+                out_dir: Path, cost_file: Path | None) -> dict:
+    proc, url = serve(flags + (["--cost-model", str(cost_file)] if cost_file else []), sets, env,
+                      out_dir / f"{name}.log")
+    result: dict = {}
+    try:
+        t0 = time.monotonic()
+        rb.wait_ready(url, proc)
+        result["ready_s"] = round(time.monotonic() - t0, 1)
+        result["scheduler"] = httpx.get(url + "/readyz").json().get("scheduler")
+        if cost_file is None:
+            doc = httpx.get(url + "/debug/cost-model", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+            # A table cached by an earlier start on this host is reused (meta.cached): its measuring time.
+            result["calibration_s"] = doc["meta"].get("calibration_seconds")
+            result["table_cached"] = doc["meta"].get("cached")
+            (out_dir / f"{name}-cost.json").write_text(json.dumps(doc, indent=1))
+        for trace, path in traces.items():
+            report = out_dir / f"{name}-{trace}.json"
+            loadgen.main([str(path), "--url", url, "--out", str(report), "--timeout", "900"])
+            result[trace] = rb.summarize(json.loads(report.read_text()), trace)
+        print(f"  {name}: {json.dumps(result)}", flush=True)
+    finally:
+        stop(proc)
+    return result
+
+
+def load() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", default="fp32")
+    p.add_argument("--budgets", default="32,48,64,128,256,2048")
+    p.add_argument("--traces", default="mixed,long")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-derived"))
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    all_traces = {"mixed": rb.mixed_trace(), "long": rb.long_trace()}
+    traces = {}
+    for name in args.traces.split(","):
+        traces[name] = out_dir / f"trace-{name}.jsonl"
+        write_trace(all_traces[name], str(traces[name]))
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GOMP_SPINCOUNT="1000", MAGNITUDE_ADMIN_TOKEN=ADMIN,
+               PYTHONPATH=f"{ROOT / 'server'}:{ROOT / 'operator'}")
+    results: dict = {"before": load()}
+    print(results["before"], flush=True)
+    for dtype in args.dtypes.split(","):
+        flags = DTYPES[dtype]
+        print(f"== {dtype}", flush=True)
+        derived = run_setting(f"{dtype}-derived", flags, [], traces, env, out_dir, None)
+        cost_file = out_dir / f"{dtype}-derived-cost.json"
+        rows = {"derived": derived}
+        for b in budgets:
+            rows[str(b)] = run_setting(f"{dtype}-{b}", flags, [f"scheduler.tokenBudget={b}",
+                                       f"scheduler.prefillChunkSize={b}"], traces, env, out_dir, cost_file)
+        results[dtype] = rows
+    results["after"] = load()
+    (out_dir / "summary.json").write_text(json.dumps(results, indent=1))
+    print_table(results, args.dtypes.split(","), list(traces))
+    return 0
+
+
+def print_table(results: dict, dtypes: list[str], traces: list[str]) -> None:
+    print(f"\n{results['before']} -> {results['after']}")
+    for dtype in dtypes:
+        rows = results[dtype]
+        print(f"\n{dtype}: derived {rows['derived'].get('scheduler')} (calibration {rows['derived'].get('calibration_s')} s)")
+        for trace in traces:
+            best = max(r[trace]["output_tok_s"] or 0 for r in rows.values())
+            print(f"  {trace:5} {'setting':>8} {'tok/s':>7} {'of best':>7} {'TTFT p50':>9} {'ITL p99':>8} "
+                  f"{'stall':>7} {'chat stall':>10}")
+            for name, r in rows.items():
+                s = r[trace]
+                print(f"  {'':5} {name:>8} {s['output_tok_s']:7.1f} {s['output_tok_s'] / best:7.2f} "
+                      f"{s['ttft_p50']:9.2f} {s['itl_p99']:8.3f} {s['longest_stall']:7.3f} "
+                      f"{s.get('chat_longest_stall') or float('nan'):10.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
