@@ -76,13 +76,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the model id clients send and see (/v1/models, responses, metrics); "
                    "replaces the source's own name, as in vLLM (default: the GGUF's stem, the directory's name, or org/name)")
     p.add_argument("--device", help="cpu or cuda (default: automatic)")
-    p.add_argument("--dtype", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="CPU weight formats for the decoder linears and LM head: w8a16 = int8 weights, activations in "
-                   "--dtype (weight-only); w8a8 = int8 weights and activations, SmoothQuant-calibrated (int8 is its "
-                   "earlier name). Embeddings, norms, attention and the KV cache keep --dtype. Before serving, the "
-                   "engine evaluates the quantized model against the unquantized one and refuses to serve it below "
-                   "the config's quantizationEvaluation thresholds (/readyz phase quantization_rejected)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16. auto with --quantization auto: "
+                   "the default weights per device (docs/runner.md): bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, "
+                   "else float32 (with w4a16 for a Q4_1 GGUF); auto with a quantization given: float32 on CPU")
+    p.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=None,
+                   help="CPU weight formats for the decoder linears and LM head: w4a16 = 4-bit weights in groups of "
+                   "32 (GGUF Q4_1's layout), bf16 activations in the kernel, int8 LM head; w8a16 = int8 weights, "
+                   "activations in --dtype (weight-only); w8a8 = int8 weights and activations, SmoothQuant-calibrated "
+                   "(int8 is its earlier name); auto (default) = the default weights per device with --dtype auto "
+                   "(w4a16 on CPUs without native bf16 serving a Q4_1 GGUF, falling back to float32 if its "
+                   "evaluation record fails), else none. Embeddings, norms, attention and the KV cache keep --dtype. "
+                   "Before serving, the engine evaluates the quantized model against the unquantized one and refuses "
+                   "to serve a quantization given by name below the config's quantizationEvaluation thresholds "
+                   "(/readyz phase quantization_rejected). The choice and its reason are logged and shown in /readyz "
+                   "(weights). Default: $MAGNITUDE_QUANTIZATION (the operator sets it from spec.quantization), else auto")
     p.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None,
                    help="vllm: also export vLLM's metric names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ... "
                    "labelled model_name) for the Gateway API Inference Extension's endpoint picker and KEDA / "
@@ -208,7 +215,13 @@ def _draft_source(draft: Any) -> str | None:
 
 
 def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
-    if args.quantization != "none" and (args.device or "").startswith("cuda"):
+    if args.quantization is None:
+        from magnitude.policy.load import ConfigError
+
+        args.quantization = os.environ.get("MAGNITUDE_QUANTIZATION") or "auto"
+        if args.quantization not in ("auto", *QUANTIZATIONS):
+            raise ConfigError(f"MAGNITUDE_QUANTIZATION={args.quantization!r}: one of auto, {', '.join(QUANTIZATIONS)}")
+    if args.quantization not in ("none", "auto") and (args.device or "").startswith("cuda"):
         from magnitude.policy.load import ConfigError
 
         raise ConfigError(f"--quantization {args.quantization} runs on the CPU only; on cuda use --dtype bfloat16")
@@ -231,22 +244,40 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
         from magnitude.runner.loading import cache_root
         from magnitude.runner.spec_decode import NgramProposer
 
-        runner = ModelRunner(
-            source=source,
-            device=args.device,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            record_cache=cache_root() / "quantization-records",
-            block_size=config.kv_cache.block_size,
-            num_blocks=config.kv_cache.num_blocks,
-            num_swap_blocks=config.kv_cache.swap_blocks,
-            memory_fraction=config.kv_cache.memory_fraction,
-            progress=progress,
-            draft_proposer=NgramProposer() if config.draft_model is not None and config.draft_model.method == "ngram"
-            else None,
-            draft_source=_draft_source(config.draft_model),
+        choice = _weights_choice(args, source)
+
+        def make_runner(choice: Any) -> Any:
+            return ModelRunner(
+                source=source,
+                device=args.device,
+                dtype=choice.dtype,
+                quantization=choice.quantization,
+                record_cache=cache_root() / "quantization-records",
+                block_size=config.kv_cache.block_size,
+                num_blocks=config.kv_cache.num_blocks,
+                num_swap_blocks=config.kv_cache.swap_blocks,
+                memory_fraction=config.kv_cache.memory_fraction,
+                progress=progress,
+                draft_proposer=NgramProposer() if config.draft_model is not None and config.draft_model.method == "ngram"
+                else None,
+                draft_source=_draft_source(config.draft_model),
             draft_quantization=config.draft_model.quantization if config.draft_model is not None else "none",
-        )
+            )
+
+        runner = make_runner(choice)
+        if choice.chosen_by == "default" and runner.quantization_record is not None:
+            from magnitude.engine.quantization import judge
+            from magnitude.runner.defaults import fallback
+
+            verdict = judge(runner.quantization_record, config.quantization_evaluation)
+            if not verdict.passed:  # a default is not worth refusing to serve: the exact weights instead
+                choice = fallback(choice, verdict.failures)
+                log.warning("default weights: %s", choice.reason)
+                del runner
+                runner = make_runner(choice)
+        runner.weights_choice = choice  # /readyz `weights`
+        log.info("weights: dtype %s, quantization %s (%s: %s)", str(runner.dtype).removeprefix("torch."),
+                 runner.quantization, choice.chosen_by, choice.reason)
         if args.served_model_name:
             runner.model_name = args.served_model_name
         if args.cost_model is None:
@@ -254,6 +285,21 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
         return runner
 
     return load_real
+
+
+def _weights_choice(args: argparse.Namespace, source: str) -> Any:
+    """--dtype and --quantization, each `auto` resolved by runner/defaults.py's rule per device."""
+    from magnitude.runner.defaults import choose_weights, q4_1_gguf
+    from magnitude.runner.loading import ModelSourceError, model_source, pick_device, resolve_source
+
+    auto = args.dtype in (None, "auto") and args.quantization == "auto"
+    q4_1 = False
+    if auto and not source.startswith(model_source.HF_PREFIX):  # hub files are not fetched yet: not inspected
+        try:
+            q4_1 = q4_1_gguf(resolve_source(source).path)
+        except ModelSourceError:
+            pass  # the load reports it, by name
+    return choose_weights(args.dtype, args.quantization, pick_device(args.device).type, q4_1)
 
 
 def calibrate(runner: Any, progress: Any) -> None:

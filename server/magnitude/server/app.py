@@ -172,6 +172,10 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
     async def readyz() -> JSONResponse:
         # The quantization record rides along both ways: the operator reads it from not-ready pods.
         record = {"quantization": engine.quantization} if engine.quantization is not None else {}
+        # Which dtype/quantization the runner loaded and why (magnitude serve: runner/defaults.py).
+        choice = getattr(engine.runner, "weights_choice", None)
+        if choice is not None:
+            record["weights"] = choice.to_document()
         if engine.ready:
             # What the scheduler runs with (derived or set): the operator shows it in status.scheduler.
             limits = getattr(engine, "scheduler_limits", None)

@@ -1,0 +1,93 @@
+"""The engine's default weights per device: which dtype and quantization `magnitude serve` runs when
+`--dtype` / `--quantization` are left at `auto`, and the reason, which the serve log and `/readyz`
+report (issue 17 owns this rule; docs/runner.md "Default weights per CPU" has the measurements).
+
+- CUDA: bfloat16, no quantization (the low-bit kernels here are CPU-only).
+- A CPU with native bf16 matmuls (AMX-BF16 or AVX512-BF16 in /proc/cpuinfo): bfloat16 weights, no
+  quantization: bf16 there is about 2x fp32 on every step shape and keeps the KV cache in fp32.
+- Any other CPU (AVX2, AVX-512 without BF16), serving a GGUF whose decoder linears are Q4_1 (the
+  bundled model): fp32 with w4a16 linears. Their codes are the file's exactly (runner/quantize.py),
+  so the weights lose nothing, and a decode step reads about 6x fewer weight bytes than in fp32;
+  bf16 has no native matmul there. Any other checkpoint: fp32, exact to the file (the default
+  never rounds weights below what the file holds).
+
+The quantized choice is gated by its evaluation record: when the record fails the config's
+thresholds, `magnitude serve` reloads with `fallback()` (fp32, none) and says so, rather than
+refusing to serve as it does for a quantization asked for by name. An explicit dtype or
+quantization is used as given (`--dtype float32 --quantization none` is the exact reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsChoice:
+    """The dtype and quantization a runner loads with, and how they were decided."""
+
+    dtype: str | None  # None: the loader's own default for the device (float32 CPU, bfloat16 CUDA)
+    quantization: str
+    chosen_by: str  # "flags" (given) | "default" (this module's rule) | "fallback" (the record failed)
+    reason: str
+
+    def to_document(self) -> dict[str, str | None]:
+        return asdict(self)
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags (Linux); empty where /proc/cpuinfo cannot be read."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def q4_1_gguf(path: Path | None) -> bool:
+    """Whether `path` is a GGUF whose decoder linears (blk.N.attn_*/ffn_* matrices) are all Q4_1."""
+    if path is None or path.suffix != ".gguf" or not path.is_file():
+        return False
+    from gguf import GGUFReader
+
+    types = {t.tensor_type.name for t in GGUFReader(str(path)).tensors
+             if t.name.startswith("blk.") and len(t.shape) == 2 and (".attn_" in t.name or ".ffn_" in t.name)}
+    return types == {"Q4_1"}
+
+
+def choose_weights(dtype: str | None, quantization: str | None, device_type: str, q4_1_source: bool,
+                   flags: frozenset[str] | None = None) -> WeightsChoice:
+    """The weights to load. Either flag given (not None/"auto") decides, the other taking the
+    loader's plain default (no quantization; float32 on CPU); both unset: the rule above.
+    `q4_1_source`: the checkpoint's decoder linears are Q4_1 (`q4_1_gguf`). `flags`: the CPU's
+    feature flags (default: this machine's)."""
+    dtype = None if dtype in (None, "", "auto") else dtype
+    quantization = None if quantization in (None, "", "auto") else quantization
+    if dtype is not None or quantization is not None:
+        return WeightsChoice(dtype, quantization or "none", "flags", "as given")
+    if device_type != "cpu":
+        return WeightsChoice(None, "none", "default",
+                             f"{device_type}: bfloat16, no quantization (the low-bit kernels are CPU-only)")
+    flags = cpu_flags() if flags is None else flags
+    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if native:
+        return WeightsChoice("bfloat16", "none", "default",
+                             f"CPU with native bf16 matmuls ({', '.join(native)}): bfloat16 weights")
+    if not q4_1_source:
+        return WeightsChoice("float32", "none", "default",
+                             "CPU without native bf16, checkpoint not Q4_1: float32, exact to the file")
+    return WeightsChoice("float32", "w4a16", "default",
+                         "CPU without native bf16 (no amx_bf16/avx512_bf16), Q4_1 checkpoint: w4a16 keeps its "
+                         "4-bit codes exactly and reads ~6x fewer weight bytes per decode step than float32; "
+                         "gated by the evaluation record")
+
+
+def fallback(choice: WeightsChoice, failures: list[str]) -> WeightsChoice:
+    """What a default quantized choice falls back to when its evaluation record fails."""
+    return WeightsChoice("float32", "none", "fallback",
+                         f"{choice.quantization} failed its evaluation record ({'; '.join(failures)}): float32")

