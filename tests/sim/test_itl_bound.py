@@ -67,5 +67,5 @@ def test_a_chunk_bound_alone_lets_steps_run_over(cost) -> None:
 def test_derived_defaults_keep_the_default_target(cost) -> None:
     result = run("long-prompt", cost)
     sp = result.config.scheduler
-    assert sp.itl_target_ms == 100.0 and sp.token_budget > 0 and 0 < sp.prefill_chunk_size <= sp.token_budget
-    assert max(s.duration for s in decoding_steps(result)) <= 0.100 + 1e-9
+    assert sp.itl_target_ms == 200.0 and sp.token_budget > 0 and 0 < sp.prefill_chunk_size <= sp.token_budget
+    assert max(s.duration for s in decoding_steps(result)) <= 0.200 + 1e-9

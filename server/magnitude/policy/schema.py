@@ -76,7 +76,7 @@ class SchedulerPolicy(PolicyModel):
     token_budget: int | None = Field(
         default=None, ge=1, le=1_048_576,
         description="Most tokens (decode + prefill) computed in one step. Null (the default) derives it: the "
-        "largest step the engine's measured cost model predicts within itlTargetMs (100 ms on CPU, 50 ms on "
+        "largest step the engine's measured cost model predicts within itlTargetMs (200 ms on CPU, 50 ms on "
         "GPU when unset).",
     )
     max_sequences: int = Field(default=64, ge=1, le=4096, description="Most sequences resident in one step.")
@@ -91,7 +91,7 @@ class SchedulerPolicy(PolicyModel):
         default=None, gt=0.0, le=60_000.0,
         description="Inter-token latency target: each step's total predicted time (decodes plus every prefill "
         "chunk) stays within it while requests decode, and null tokenBudget/prefillChunkSize are derived "
-        "for it. Null: 100 ms on CPU, 50 ms on GPU when anything is derived, else no per-step bound.",
+        "for it. Null: 200 ms on CPU, 50 ms on GPU when anything is derived, else no per-step bound.",
     )
     preemption_mode: Literal["recompute", "swap", "auto"] = Field(
         default="recompute",

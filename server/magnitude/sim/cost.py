@@ -150,8 +150,11 @@ def attention_shape(plan: StepPlan) -> tuple[int, int, int]:
     return contexts, tokens, pairs
 
 
-# The ITL target the defaults are derived for when `itlTargetMs` is not set, by device kind.
-DEFAULT_ITL_TARGET_MS = {"cpu": 100.0, "cuda": 50.0}
+# The ITL target the defaults are derived for when `itlTargetMs` is not set, by device kind. On CPU,
+# 200 ms: the budgets hand-tuned on two cores (bench/runner_bench.py: fp32 48, bf16 64, int8 128)
+# were the ones that kept the long trace's worst step near 0.2 s; at 100 ms fp32 could not prefill
+# alongside a dozen decodes at all.
+DEFAULT_ITL_TARGET_MS = {"cpu": 200.0, "cuda": 50.0}
 # Decodes a "typical" step carries when the chunk is derived (at most maxSequences).
 TYPICAL_DECODES = 8
 # Floors when even the smallest step misses the target: the engine still makes progress.
