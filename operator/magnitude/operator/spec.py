@@ -25,7 +25,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 # Weight quantization methods `magnitude serve --quantization` knows; the compute dtype is `Dtype`.
 # "int8" is the earlier name of w8a8, kept so objects written before the split still validate.
-Quantization = Literal["none", "w8a8", "w8a16", "int8"]
+Quantization = Literal["none", "w8a8", "w8a16", "w4a16", "int8"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 DEFAULT_ENGINE_IMAGE = "magnitude/engine:0.1.0"
@@ -363,8 +363,9 @@ class ModelServiceSpec(EngineConfig):
     quantization: Quantization = Field(
         default="none",
         description="Weight quantization: none; w8a8 (int8 weights and activations, SmoothQuant-calibrated); "
-        "w8a16 (int8 weights, activations in `dtype`); int8 (the earlier name of w8a8). The int8 methods run on "
-        "the CPU only. A quantized model is evaluated against its unquantized reference before it serves "
+        "w8a16 (int8 weights, activations in `dtype`); w4a16 (4-bit weights in groups of 32 with scale and "
+        "minimum, GGUF Q4_1's layout, bf16 activations in the kernels, int8 LM head); int8 (the earlier name of w8a8). "
+        "The low-bit methods run on the CPU only. A quantized model is evaluated against its unquantized reference before it serves "
         "(see quantizationEvaluation; status condition QuantizationValidated).",
     )
     dtype: Dtype = Field(
