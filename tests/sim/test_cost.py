@@ -80,6 +80,11 @@ def test_default_limits_use_the_default_itl_target_and_explicit_values_win() -> 
     # Only the chunk derived: within the set budget.
     half = derive_scheduler_limits(resolve_config(None, ["scheduler.tokenBudget=64"]).scheduler, c)
     assert (half.token_budget, half.prefill_chunk_size, half.source) == (64, 56, "derived")
+    assert derived.warning is None
+    # A machine slower than the target: the limits sit at their floor, and say why.
+    slow = derive_scheduler_limits(resolve_config(None, ["scheduler.itlTargetMs=10"]).scheduler, c)
+    assert (slow.token_budget, slow.prefill_chunk_size) == (16, 16)
+    assert slow.warning is not None and "over the 10 ms ITL target" in slow.warning
     # The unit model counts steps, not seconds: the static defaults, and a target is refused by name.
     static = derive_scheduler_limits(resolve_config(None, []).scheduler, UnitCost())
     assert (static.token_budget, static.prefill_chunk_size, static.itl_target_ms, static.source) == (2048, 512, None, "static")

@@ -308,6 +308,8 @@ class AsyncEngine:
                                                        self.config.kv_cache.block_size)
         limits = derive_scheduler_limits(self.config.scheduler, self.cost_model, str(getattr(runner, "device", "cpu")))
         self.scheduler_limits = limits
+        if limits.warning:
+            log.warning("scheduler: %s", limits.warning)
         self.metrics.set_scheduler_limits(limits.token_budget, limits.prefill_chunk_size, limits.itl_target_ms,
                                           limits.source)
         log.info("scheduler: tokenBudget %d, prefillChunkSize %d, itlTargetMs %s (%s)", limits.token_budget,

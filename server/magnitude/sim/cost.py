@@ -172,6 +172,8 @@ class SchedulerLimits:
     prefill_chunk_size: int
     itl_target_ms: float | None
     source: str
+    # Set when the target is out of this hardware's reach: the smallest derived step already misses it.
+    warning: str | None = None
 
     def to_document(self) -> dict:
         return {"tokenBudget": self.token_budget, "prefillChunkSize": self.prefill_chunk_size,
@@ -218,7 +220,13 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None, device:
         d = min(sp.max_sequences, TYPICAL_DECODES, max(0, budget - 1))
         chunk = max(min(MIN_DERIVED_BUDGET, budget),
                     _largest(lambda p: cost.seconds_for(d, p) <= target_s, budget - d))
-    return SchedulerLimits(budget, min(chunk, budget), target_ms, "derived" if derive else "set")
+    warning = None
+    floor = cost.seconds_for(0, MIN_DERIVED_BUDGET)
+    if derive and floor > target_s:
+        warning = (f"a step of {MIN_DERIVED_BUDGET} prefill tokens is predicted at {floor * 1000:.0f} ms, over the "
+                   f"{target_ms:g} ms ITL target: the derived limits sit at their floor; set scheduler.itlTargetMs "
+                   "(or tokenBudget) for this hardware")
+    return SchedulerLimits(budget, min(chunk, budget), target_ms, "derived" if derive else "set", warning)
 
 
 def apply_limits(config: EngineConfig, limits: SchedulerLimits) -> EngineConfig:
