@@ -81,3 +81,34 @@ def test_prompt_lookup_answers_as_without_it_and_reports_acceptance(spec_server:
         spec_server.engine.loop.scheduler.set_speculation(True)
     assert plain == text
     assert plain_timing["spec_acceptance"] is None and plain_timing["max_burst_tokens"] == 1
+
+
+def test_json_schema_with_penalties_under_prompt_lookup_answers_as_without_it(spec_server: RunningServer) -> None:
+    """A grammar-constrained, penalised request drafts too (issue 14), over HTTP: same text as with
+    speculation off, a valid contract, drafts accepted and tokens per target step counted."""
+    record = '{"name": "Ada Lovelace", "city": "London", "born": 1815}'
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "born": {"type": "integer"}},
+              "required": ["name", "city", "born"], "additionalProperties": False}
+    c = openai.OpenAI(base_url=spec_server.v1, api_key="x")
+    model = c.models.list().data[0].id
+
+    def ask() -> tuple[str, dict]:
+        r = c.chat.completions.create(
+            model=model, max_tokens=40, temperature=0, frequency_penalty=0.2,
+            messages=[{"role": "user", "content": f"Record: {record}\nRepeat the record as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+            extra_body={"priority_class": "batch"})
+        return r.choices[0].message.content, r.model_extra["timing"]  # type: ignore[index]
+
+    text, timing = ask()
+    assert timing["output_contract"] == "valid", (text, timing)
+    assert timing["spec_acceptance"] is not None and timing["spec_acceptance"] > 0, timing
+    steps = spec_server.metric("magnitude_spec_decode_tokens_per_step_count", priority_class="batch", method="ngram")
+    assert steps > 0
+    spec_server.engine.loop.scheduler.set_speculation(False)
+    try:
+        plain, plain_timing = ask()
+    finally:
+        spec_server.engine.loop.scheduler.set_speculation(True)
+    assert plain == text and plain_timing["spec_acceptance"] is None
