@@ -85,6 +85,14 @@ def test_default_limits_use_the_default_itl_target_and_explicit_values_win() -> 
     slow = derive_scheduler_limits(resolve_config(None, ["scheduler.itlTargetMs=10"]).scheduler, c)
     assert (slow.token_budget, slow.prefill_chunk_size) == (16, 16)
     assert slow.warning is not None and "over the 10 ms ITL target" in slow.warning
+    # The default target out of reach (a table calibrated at load average 9.5 on two cores): the most
+    # efficient measured step instead, 64 tokens here, which was also the best hand-set budget there.
+    crowded = TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0),
+                        ((1e-6, 0.217, 0.382, 1.77), (0.086, 0.266, 0.489, 1.77),
+                         (0.198, 0.365, 0.556, 1.77), (0.362, 0.443, 0.753, 1.77)))
+    fallback = derive_scheduler_limits(resolve_config(None, []).scheduler, crowded)
+    assert (fallback.token_budget, fallback.itl_target_ms) == (64, 382.0)
+    assert "most efficient step" in fallback.warning
     # The unit model counts steps, not seconds: the static defaults, and a target is refused by name.
     static = derive_scheduler_limits(resolve_config(None, []).scheduler, UnitCost())
     assert (static.token_budget, static.prefill_chunk_size, static.itl_target_ms, static.source) == (2048, 512, None, "static")

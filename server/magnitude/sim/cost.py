@@ -160,6 +160,8 @@ TYPICAL_DECODES = 8
 # Floors when even the smallest step misses the target: the engine still makes progress.
 MIN_DERIVED_BUDGET = 16
 MAX_DERIVED_BUDGET = 65_536
+# Step sizes compared when the default target is out of reach (prefill tokens per step).
+EFFICIENT_STEP_CANDIDATES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048)
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,19 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None, device:
     if target_ms is None and derive:
         target_ms = DEFAULT_ITL_TARGET_MS.get(device.split(":")[0], DEFAULT_ITL_TARGET_MS["cpu"])
     target_s = (target_ms or 0.0) / 1000.0
+    warning = None
+    floor = cost.seconds_for(0, MIN_DERIVED_BUDGET)
+    if derive and sp.itl_target_ms is None and floor > target_s:
+        # The default target is out of this machine's reach (a slow or crowded CPU): derive for its
+        # most efficient step instead (the most prefill tokens per second), not the floor's.
+        top = max(cost.prefill_tokens) if isinstance(cost, TableCost) else MAX_DERIVED_BUDGET  # measured range only
+        best = max((b for b in EFFICIENT_STEP_CANDIDATES if b <= max(top, MIN_DERIVED_BUDGET)),
+                   key=lambda b: (b / cost.seconds_for(0, b), -b))
+        default_ms, target_s = target_ms, cost.seconds_for(0, best)
+        target_ms = round(target_s * 1000.0, 1)
+        warning = (f"a step of {MIN_DERIVED_BUDGET} prefill tokens is predicted at {floor * 1000:.0f} ms, over the "
+                   f"default {default_ms:g} ms ITL target: deriving for the most efficient step instead ({best} "
+                   f"tokens, {target_ms:g} ms); set scheduler.itlTargetMs to promise another")
     budget = sp.token_budget
     if budget is None:
         budget = max(MIN_DERIVED_BUDGET, _largest(lambda b: cost.seconds_for(0, b) <= target_s, MAX_DERIVED_BUDGET))
@@ -220,12 +235,9 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None, device:
         d = min(sp.max_sequences, TYPICAL_DECODES, max(0, budget - 1))
         chunk = max(min(MIN_DERIVED_BUDGET, budget),
                     _largest(lambda p: cost.seconds_for(d, p) <= target_s, budget - d))
-    warning = None
-    floor = cost.seconds_for(0, MIN_DERIVED_BUDGET)
-    if derive and floor > target_s:
+    if derive and warning is None and floor > target_s:
         warning = (f"a step of {MIN_DERIVED_BUDGET} prefill tokens is predicted at {floor * 1000:.0f} ms, over the "
-                   f"{target_ms:g} ms ITL target: the derived limits sit at their floor; set scheduler.itlTargetMs "
-                   "(or tokenBudget) for this hardware")
+                   f"{target_ms:g} ms ITL target: the derived limits sit at their floor")
     return SchedulerLimits(budget, min(chunk, budget), target_ms, "derived" if derive else "set", warning)
 
 
