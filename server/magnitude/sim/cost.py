@@ -19,6 +19,7 @@ The simulator and the server's simulated runner both call `step_seconds(plan)`. 
 from __future__ import annotations
 
 import bisect
+import math
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -222,8 +223,9 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None, device:
         top = max(cost.prefill_tokens) if isinstance(cost, TableCost) else MAX_DERIVED_BUDGET  # measured range only
         best = max((b for b in EFFICIENT_STEP_CANDIDATES if b <= max(top, MIN_DERIVED_BUDGET)),
                    key=lambda b: (b / cost.seconds_for(0, b), -b))
-        default_ms, target_s = target_ms, cost.seconds_for(0, best)
-        target_ms = round(target_s * 1000.0, 1)
+        # In tenths of a millisecond, rounded up, so the step it was chosen for still fits the bound.
+        default_ms, target_ms = target_ms, math.ceil(cost.seconds_for(0, best) * 10_000.0 - 1e-6) / 10.0
+        target_s = target_ms / 1000.0
         warning = (f"a step of {MIN_DERIVED_BUDGET} prefill tokens is predicted at {floor * 1000:.0f} ms, over the "
                    f"default {default_ms:g} ms ITL target: deriving for the most efficient step instead ({best} "
                    f"tokens, {target_ms:g} ms); set scheduler.itlTargetMs to promise another")
