@@ -222,17 +222,20 @@ def print_table(all_results: dict) -> None:
     keys = ["output_tok_s", "req_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "longest_stall",
             "chat_ttft_p50", "chat_longest_stall", "long_ttft", "single_ms_per_token", "single_ttft",
             "peak_rss_gb"]
+    width = max(15, *(len(s) + 1 for s in all_results))
     for trace in ("mixed", "long", "single", "rss"):
+        if not any(trace in r for r in all_results.values()):
+            continue
         print(f"\n== trace {trace} ==")
         mags = [s for s in all_results if s.startswith("magnitude")]
         peers = [b for b in ("llama", "hf", "hf-int8") if b in all_results]
-        print(f"{'metric':20}" + "".join(f"{s:>15}" for s in all_results) + "   ratios: "
+        print(f"{'metric':20}" + "".join(f"{s:>{width}}" for s in all_results) + "   ratios: "
               + ", ".join(f"{m}/{b}" for m in mags for b in peers))
         for k in keys:
             vals = {s: all_results[s].get(trace, {}).get(k) for s in all_results}
             if all(v is None for v in vals.values()):
                 continue
-            row = f"{k:20}" + "".join(f"{(v if isinstance(v, (int, float)) else float('nan')):15.3f}"
+            row = f"{k:20}" + "".join(f"{(v if isinstance(v, (int, float)) else float('nan')):{width}.3f}"
                                       for v in vals.values())
             ratios = [f"{vals[m] / vals[b]:.2f}x" if vals.get(m) is not None and vals.get(b) else "-"
                       for m in mags for b in peers]

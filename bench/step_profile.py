@@ -10,6 +10,9 @@ runs their decode steps (every --batches x --contexts; and lone prefill chunks o
 shared host's noise falls on all of them alike; prints median wall and process-CPU ms per step
 and the ratio to the first variant.
 
+`--memory` loads the runner (--dtype, --quantization) and prints where its resident memory is:
+live tensor bytes by kind (distinct storages) against the process's anonymous and file-backed RSS.
+
 `--sweep` profiles pure decode steps (no prefill) for every batch size x context and prints one
 row per cell (ms per step and the same split); `--hf-generate N` then times Hugging Face
 `generate` (greedy, one stream, N new tokens, its own cache) on the same loaded weights, the
@@ -161,6 +164,32 @@ def compare(variants: list[str], batches: list[int], contexts: list[int], steps:
             flush=True)
 
 
+def memory_report(runner: ModelRunner) -> None:
+    import gc
+    import warnings
+
+    gc.collect()
+    storages: dict[int, tuple[int, str]] = {}
+    weights = {id(t) for t in (*runner.model.parameters(), *runner.model.buffers())}
+    with warnings.catch_warnings():  # isinstance on some of gc's objects warns (deprecated torch modules)
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
+    for o in tensors:
+        st = o.untyped_storage()
+        kind = "weights" if id(o) in weights else "other tensors (KV pool views, buffers)"
+        if storages.get(st.data_ptr(), (0, ""))[1] != "weights":
+            storages[st.data_ptr()] = (st.nbytes(), kind)
+    by_kind: dict[str, int] = defaultdict(int)
+    for nbytes, kind in storages.values():
+        by_kind[kind] += nbytes
+    status = {k: int(v.split()[0]) // 1024 for k, _, v in
+              (line.partition(":") for line in Path("/proc/self/status").read_text().splitlines())
+              if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+    print(f"dtype {runner.dtype}, quantization {runner.quantization}, KV blocks {runner.num_blocks}: "
+          + ", ".join(f"{k} {v // 2**20} MiB" for k, v in by_kind.items())
+          + "; process " + ", ".join(f"{k} {v} MiB" for k, v in status.items()))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None)
@@ -180,7 +209,12 @@ def main() -> int:
     p.add_argument("--prefills", default="", help="--compare: also lone prefill chunks of these lengths")
     p.add_argument("--compare", default=None, metavar="DTYPE:QUANT,...",
                    help="interleaved decode steps of several variants (see above)")
+    p.add_argument("--memory", action="store_true", help="where the loaded runner's resident memory is")
     args = p.parse_args()
+    if args.memory:
+        memory_report(ModelRunner(dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
+                                  evaluate_quantization=False, num_blocks=64))
+        return 0
     if args.compare:
         compare(args.compare.split(","), [int(b) for b in args.batches.split(",")],
                 [int(c) for c in args.contexts.split(",")], args.steps, args.threads,
