@@ -33,3 +33,16 @@ def test_shared_prefix_groups_are_cache_hits_and_others_are_not() -> None:
     ]
     cached = {rec.id: req.num_cached_tokens for rec, req in simulate(recs, EngineConfig(), LinearCost()).requests}
     assert cached == {"first": 0, "same": 64, "other": 0, "plain": 0}
+
+
+def test_a_deadline_that_ends_the_last_work_is_not_a_stall() -> None:
+    # The long request holds the only sequence slot; the short one's deadline passes during the long
+    # one's last step. The step after it expires the short one and is empty with nothing left: the
+    # run ends there instead of raising "scheduler stalled".
+    cfg = EngineConfig.model_validate({"scheduler": {"tokenBudget": 64, "prefillChunkSize": 64, "maxSequences": 1}})
+    long = TraceRecord(id="long", arrival=0.0, prompt_tokens=4000, output_tokens=1)
+    end = simulate([long], cfg, LinearCost()).end_time
+    short = TraceRecord(id="short", arrival=0.0, prompt_tokens=8, output_tokens=1, deadline=end - 0.001)
+    result = simulate([long, short], cfg, LinearCost())
+    status = {rec.id: req.status.value for rec, req in result.requests}
+    assert status == {"long": "finished", "short": "timed_out"}
