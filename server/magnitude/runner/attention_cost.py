@@ -6,8 +6,8 @@ token document from one of a 200-token chat, nor a chunk deep into a long prompt
 one. `measure_attention` times the same real steps at two context lengths: `decodes` decodes at
 `context` (the table's) and at a far context (4x, as far as the KV pool and the model's context
 allow), and a prefill chunk of `chunk` tokens starting at 0 and ending at the far context (the
-fastest of `repeats` runs each, after one unmeasured run: other processes only ever add time, as
-in the table's own cells). The slopes
+fastest of at least three runs each, near and far alternating, after one unmeasured run: other
+processes only ever add time, as in the table's own cells). The slopes
 are `per_decode_context_token` (seconds per decode per context token) and `per_attention_pair`
 (seconds per query-key pair of a prefill chunk), which `sim/cost.py TableCost` charges away from
 the table's measured shape. They are kept apart because decode attention (one query gathering a
@@ -22,6 +22,9 @@ from typing import Any
 
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
+
+
+MIN_REPEATS = 3  # a slope is a difference of two times: one run each is too noisy
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,16 @@ def _chunk_plan(start: int, n: int, block_size: int) -> StepPlan:
     return StepPlan(0, [ScheduledSeq("p", [100] * n, start, list(range(_blocks(start, n, block_size))), True, greedy)])
 
 
-def _time(runner: Any, plan: StepPlan, repeats: int) -> float:
-    runner.execute(plan)  # unmeasured: first-shape effects
-    return min(runner.execute(plan).duration_s for _ in range(max(1, repeats)))
+def _pair(runner: Any, near: StepPlan, far: StepPlan, repeats: int) -> tuple[float, float]:
+    """Fastest times of `near` and `far`, run alternately (after one unmeasured run each), so a burst
+    of other processes' load lands on both rather than on one side of the slope."""
+    runner.execute(near)  # unmeasured: first-shape effects
+    runner.execute(far)
+    a = b = float("inf")
+    for _ in range(max(MIN_REPEATS, repeats)):
+        a = min(a, runner.execute(near).duration_s)
+        b = min(b, runner.execute(far).duration_s)
+    return a, b
 
 
 def measure_attention(runner: Any, context: int = 256, decodes: int = 8, chunk: int = 128,
@@ -64,11 +74,13 @@ def measure_attention(runner: Any, context: int = 256, decodes: int = 8, chunk: 
     if far <= context:  # nothing to compare: no correction
         return AttentionFigures(0.0, 0.0, context)
     d = max(1, min(decodes, runner.num_blocks // _blocks(far, 1, bs)))
-    decode_slope = (_time(runner, _decode_plan(d, far, bs), repeats)
-                    - _time(runner, _decode_plan(d, context, bs), repeats)) / (d * (far - context))
+    near_t, far_t = _pair(runner, _decode_plan(d, context, bs), _decode_plan(d, far, bs), repeats)
+    decode_slope = (far_t - near_t) / (d * (far - context))
     n = min(chunk, far)
     start = far - n
-    prefill_slope = (_time(runner, _chunk_plan(start, n, bs), repeats)
-                     - _time(runner, _chunk_plan(0, n, bs), repeats)) / (n * start) if start else 0.0
+    prefill_slope = 0.0
+    if start:
+        near_t, far_t = _pair(runner, _chunk_plan(0, n, bs), _chunk_plan(start, n, bs), repeats)
+        prefill_slope = (far_t - near_t) / (n * start)
     # A negative slope is noise around zero (a busy machine), not cheaper attention.
     return AttentionFigures(max(0.0, decode_slope), max(0.0, prefill_slope), context)
