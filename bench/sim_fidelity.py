@@ -112,6 +112,8 @@ def main() -> int:
                     help="multiply arrival, cancel and deadline times (slow machines: keep the load the trace meant)")
     ap.add_argument("--cost-model", help="a cost-model JSON (default: the engine's calibrated one, /debug/cost-model)")
     ap.add_argument("--serve-arg", action="append", default=[], help="passed to `magnitude serve`")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine config override for both the server and the simulator")
     ap.add_argument("--keep", help="directory for the trace, recordings and reports (default: a temporary one)")
     args = ap.parse_args()
 
@@ -138,7 +140,8 @@ def main() -> int:
     if not args.cost_model:
         cost.unlink(missing_ok=True)
     recorded = work / "recorded.jsonl"
-    real = figures(serve_and_load(trace, recorded, args.serve_arg, env, cost))
+    sets = [x for kv in args.sets for x in ("--set", kv)]
+    real = figures(serve_and_load(trace, recorded, [*args.serve_arg, *sets], env, cost))
     doc = json.loads(cost.read_text())
     table_only = work / "cost-table-only.json"
     table_only.write_text(json.dumps({k: v for k, v in doc.items()
@@ -151,14 +154,14 @@ def main() -> int:
                                 "deadline": None if r.deadline is None else r.deadline - shift}) for r in rec]
     write_trace(rec, recorded)
     sims = {
-        "recorded": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(cost), "--json"))),
+        "recorded": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(cost), "--json", *sets))),
         "recorded table-only": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(table_only),
-                                                          "--json"))),
-        "generated": figures(json.loads(run_cli("simulate", str(trace), "--cost-model", str(cost), "--json"))),
+                                                          "--json", *sets))),
+        "generated": figures(json.loads(run_cli("simulate", str(trace), "--cost-model", str(cost), "--json", *sets))),
     }
     load = os.getloadavg()
     print(f"{'burst' if args.burst else 'mixed'} n={args.n} seed={args.seed} time-scale={scale} "
-          f"serve={' '.join(args.serve_arg) or '-'} cost={cost}"
+          f"serve={' '.join(args.serve_arg) or '-'} set={' '.join(args.sets) or '-'} cost={cost}"
           f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}  ({work})")
     names = [f"{m}_{p}" for m, p in METRICS] + ["throughput"]
     print(f"{'':>26}" + "".join(f"{n:>14}" for n in names))
