@@ -328,3 +328,26 @@ def test_w4a16_greedy_output_against_fp32_generate(quantized_runner, method, pro
     print(f"\nw4a16 greedy vs fp32 generate: {same}/{total} tokens before the first divergence, "
           f"{identical}/{len(seqs)} prompts identical, on {isa_description()}")
     assert same / total >= 0.8 and identical >= len(seqs) - 2
+
+
+def test_fused_w4a16_siblings_equal_their_own_products():
+    """q/k/v (and gate/up) run as one int4 product over their stacked rows; each member's slice must
+    be its own product, and a member called with another input must not get a stale slice."""
+    from magnitude.runner.quantize import Int4FusedMember, _fuse_int4
+
+    parent = torch.nn.Module()
+    names = ("q_proj", "k_proj", "v_proj")
+    members = [_q4_1_grid_linear(n, 576, seed=n) for n in (192, 64, 64)]
+    for name, m in zip(names, members):
+        setattr(parent, name, m)
+    alone = [Int4WeightOnlyLinear(m) for m in members]
+    _fuse_int4(parent, names, members)
+    assert all(isinstance(getattr(parent, n), Int4FusedMember) for n in names)
+    assert sum(b.numel() for b in parent.buffers()) == sum(b.numel() for q in alone for b in q.buffers())
+    x, y = torch.randn(1, 5, 576), torch.randn(1, 3, 576)
+    for inp in (x, y, x):
+        for name, q in zip(names, alone):
+            torch.testing.assert_close(getattr(parent, name)(inp), q(inp), rtol=1e-6, atol=1e-6)
+    assert parent.q_proj(x).shape == (1, 5, 192) and parent.v_proj(y).shape == (1, 3, 64)
+    parent.q_proj(x)
+    torch.testing.assert_close(parent.k_proj(y), alone[1](y), rtol=1e-6, atol=1e-6)  # not x's slice
