@@ -26,7 +26,6 @@ from typing import Any, Callable
 
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
-from magnitude.runner.attention_cost import measure_attention
 from magnitude.runner.swap_bandwidth import measure_swap
 
 log = logging.getLogger(__name__)
@@ -87,9 +86,9 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
         "decode_batch_sizes": decodes,
         "prefill_tokens": prefills,
         "seconds": seconds,
+        # Attention figures (runner/attention_cost.py) are not measured here: on a busy 2-core machine
+        # their slopes were too noisy and made replays worse (bench/sim_fidelity.py); add them by hand.
         "per_swap_token": measure_swap(runner, max(1, repeats)).per_swap_token,
-        # Attention away from the grid's shape (long contexts, several prompts per step): sim/cost.py
-        **measure_attention(runner, context, repeats=max(1, repeats)).to_document(),
         "block_size": block_size,
         "meta": {
             "model": runner.model_name,
