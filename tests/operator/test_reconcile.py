@@ -80,7 +80,7 @@ def test_ready_and_progress_follow_the_deployment(api: Env) -> None:
     ({"quantization": "w8a8", "resources": {"gpus": 1}}, "spec.quantization"),
     ({"quantization": "w8a16", "resources": {"gpus": 1}}, "spec.quantization"),
     ({"quantization": "int8", "resources": {"gpus": 1}}, "spec.quantization"),
-    ({"draftModel": {"source": "pvc://drafts/smollm2"}}, "spec.draftModel.source"),
+    ({"draftModel": {"source": "pvc://Drafts/smollm2"}}, "spec.draftModel.source"),
     # A flag beats its environment variable: extraArgs would undo spec.auth without a word.
     ({"auth": {"mode": "apiKeys", "apiKeysSecretRef": {"name": "k", "key": "k"}}, "extraArgs": ["--auth-mode=none"]},
      "spec.extraArgs"),

@@ -87,8 +87,13 @@ def _metadata(owner: Owner, name: str) -> dict[str, Any]:
 
 def engine_document(spec: ModelServiceSpec) -> dict[str, Any]:
     """The engine's config file content (DESIGN §3 Config): the fields as written (after the API
-    server's defaulting), so a value left to the engine stays the engine's choice."""
-    return spec.engine_config().model_dump(mode="json", by_alias=True, exclude_unset=True)
+    server's defaulting), so a value left to the engine stays the engine's choice. One translation:
+    a pvc:// draft source becomes the path its claim is mounted at (modelsource.py)."""
+    doc = spec.engine_config().model_dump(mode="json", by_alias=True, exclude_unset=True)
+    draft = doc.get("draftModel")
+    if draft and draft.get("source"):
+        draft["source"] = modelsource.engine_path(draft["source"])
+    return doc
 
 
 def desired_replicas(spec: ModelServiceSpec, status: ModelServiceStatus | None) -> int:

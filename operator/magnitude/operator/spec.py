@@ -237,7 +237,8 @@ class MetricsSpec(PolicyModel):
 # them: the operator's value would silently win (server-side apply) or break the pod.
 RESERVED_ENV_PREFIX = "MAGNITUDE_"
 RESERVED_ENV = frozenset({"POD_NAME", "HF_HOME", "HF_TOKEN", "XDG_CACHE_HOME", "TMPDIR"})
-RESERVED_VOLUMES = frozenset({"engine-config", "cache", "tmp", "api-keys", "dshm", "model-source", "model-cache"})
+RESERVED_VOLUMES = frozenset({"engine-config", "cache", "tmp", "api-keys", "dshm", "model-source", "draft-source",
+                              "model-cache"})
 RESERVED_MOUNT_PATHS = ("/etc/magnitude", "/etc/magnitude-auth", "/var/cache/magnitude", "/tmp", "/dev/shm",
                         "/models")
 RESERVED_LABEL_PREFIXES = ("serving.magnitude.dev/", "app.kubernetes.io/")

@@ -7,9 +7,10 @@ what depends on the engine's capabilities and the hardware asked for. Pure.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from magnitude.operator.spec import PVC_SCHEME, ModelServiceSpec
+from magnitude.operator.spec import PVC_SCHEME, PVC_SOURCE, ModelServiceSpec
 from magnitude.policy.schema import speculation_problem
 
 # What `magnitude serve --quantization` can load today. Widen these as the runner learns more.
@@ -63,12 +64,10 @@ def unsupported(spec: ModelServiceSpec) -> list[Problem]:
         problems.append(Problem("spec.draftModel.quantization",
                                 f"the engine's {spec.draft_model.quantization} weights run on the CPU only; use "
                                 "quantization none for a draft on GPUs"))
-    if spec.draft_model is not None and (spec.draft_model.source or "").startswith(PVC_SCHEME):
-        # The engine reads the draft source from the ConfigMap as written; only spec.model's claim is mounted.
+    draft_source = spec.draft_model.source or "" if spec.draft_model is not None else ""
+    if draft_source.startswith(PVC_SCHEME) and not re.match(PVC_SOURCE, draft_source):
         problems.append(Problem("spec.draftModel.source",
-                                "a pvc:// draft source is not mounted on the engine pod; use hf:// (downloaded into "
-                                "the model cache like the model), self:N, or a path in the image or in a volume of "
-                                "spec.pod.volumes"))
+                                f"{draft_source} is not pvc://CLAIM/PATH (CLAIM the name of a PersistentVolumeClaim)"))
     spec_problem = speculation_problem(spec)
     if spec_problem is not None:
         problems.append(Problem(f"spec.{spec_problem[0]}", spec_problem[1]))
