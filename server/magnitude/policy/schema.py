@@ -242,8 +242,9 @@ class DraftModelPolicy(PolicyModel):
     source: str | None = Field(
         default=None, min_length=1, max_length=1024,
         description="The draft model: the same forms as the engine's model source (package:, a path, a .gguf, "
-        "hf://org/name[@revision]), or self:N (the target's first N layers, final norm and LM head, sharing its "
-        "weights); required for method draft, refused for ngram.",
+        "hf://org/name[@revision]; in a ModelService also pvc://CLAIM/PATH, mounted like the model's), or self:N "
+        "(the target's first N layers, final norm and LM head, sharing its weights); required for method draft, "
+        "refused for ngram.",
     )
     revision: str | None = Field(default=None, max_length=256,
                                  description="Draft model revision (method draft, hf:// sources only).")
