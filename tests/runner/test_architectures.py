@@ -21,7 +21,9 @@ torch = pytest.importorskip("torch")
 
 from magnitude.runner.loading import ModelSourceError, check_servable  # noqa: E402
 
-from .test_with_scheduler import MAX_NEW, _drive, _without_eos  # noqa: E402
+from magnitude.engine.sampling import SamplingParams  # noqa: E402
+
+from .conftest import MAX_NEW, drive_scheduler, without_eos  # noqa: E402
 
 from .tiny_models import ARCHS, VOCAB, build_tiny_model, tiny_config  # noqa: E402
 
@@ -65,8 +67,8 @@ def tiny(request, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_tiny_architecture_matches_generate_under_chunking_and_preemption(tiny, mode):
     arch, _path, runner, prompts, refs = tiny
-    sched, outputs = _drive(
-        runner, prompts,
+    run = drive_scheduler(
+        runner, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0),
         f"scheduler.preemptionMode={mode}",
         "scheduler.prefillChunkSize=16",
         "scheduler.tokenBudget=64",
@@ -74,9 +76,9 @@ def test_tiny_architecture_matches_generate_under_chunking_and_preemption(tiny, 
         f"kvCache.swapBlocks={runner.num_swap_blocks}",
         "kvCache.enablePrefixCaching=false",
     )
-    expected = {f"r{i}": _without_eos(ref, runner.eos_token_ids) for i, ref in enumerate(refs)}
-    assert outputs == expected, arch
-    stats = sched.stats()
+    expected = {f"r{i}": without_eos(ref, runner.eos_token_ids) for i, ref in enumerate(refs)}
+    assert run.outputs == expected, arch
+    stats = run.sched.stats()
     assert sum(n for (m, _reason), n in stats.preemptions.items() if m == mode) > 0, stats.preemptions
     assert stats.kv_used_blocks == 0 and stats.swap_used_blocks == 0
 
