@@ -5,7 +5,7 @@
 
 For each dtype, `magnitude serve` runs once with nothing set (tokenBudget and prefillChunkSize null:
 derived from the table it calibrates at start-up, or finds in $MAGNITUDE_CACHE/cost-models, and the
-default ITL target, 200 ms on CPU; the
+ITL target derived from the table's efficient prefill step; the
 figures it derived are read from /readyz), then once per hand-set budget N (tokenBudget =
 prefillChunkSize = N, no ITL target: the setting bench/runner_bench.py hand-tunes), each given the
 derived run's table (`--cost-model`, fetched from GET /debug/cost-model) so only the first start pays

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import LinearCost, TableCost
+from magnitude.sim.cost import LinearCost, TableCost, efficient_prefill_step
 from magnitude.sim.scenarios import ScenarioOptions, generate
 from magnitude.sim.simulate import SimResult, simulate
 from magnitude.sim.trace import TraceRecord
@@ -64,8 +64,9 @@ def test_a_chunk_bound_alone_lets_steps_run_over(cost) -> None:
 
 
 @pytest.mark.parametrize("cost", [LinearCost(), MEASURED], ids=["linear", "measured"])
-def test_derived_defaults_keep_the_default_target(cost) -> None:
+def test_derived_defaults_keep_the_derived_target(cost) -> None:
     result = run("long-prompt", cost)
     sp = result.config.scheduler
-    assert sp.itl_target_ms == 200.0 and sp.token_budget > 0 and 0 < sp.prefill_chunk_size <= sp.token_budget
-    assert max(s.duration for s in decoding_steps(result)) <= 0.200 + 1e-9
+    assert sp.itl_target_ms == efficient_prefill_step(cost, sp.max_sequences)[1]
+    assert sp.token_budget > 0 and 0 < sp.prefill_chunk_size <= sp.token_budget
+    assert max(s.duration for s in decoding_steps(result)) <= sp.itl_target_ms / 1000.0 + 1e-9

@@ -306,7 +306,7 @@ class AsyncEngine:
         if self.cost_model is None and self.cost_model_document is not None:
             self.cost_model = cost_model_from_document(self.cost_model_document, "calibrated cost model",
                                                        self.config.kv_cache.block_size)
-        limits = derive_scheduler_limits(self.config.scheduler, self.cost_model, str(getattr(runner, "device", "cpu")))
+        limits = derive_scheduler_limits(self.config.scheduler, self.cost_model)
         self.scheduler_limits = limits
         if limits.warning:
             log.warning("scheduler: %s", limits.warning)

@@ -151,17 +151,18 @@ def attention_shape(plan: StepPlan) -> tuple[int, int, int]:
     return contexts, tokens, pairs
 
 
-# The ITL target the defaults are derived for when `itlTargetMs` is not set, by device kind. On CPU,
-# 200 ms: the budgets hand-tuned on two cores (bench/runner_bench.py: fp32 48, bf16 64, int8 128)
-# were the ones that kept the long trace's worst step near 0.2 s; at 100 ms fp32 could not prefill
-# alongside a dozen decodes at all.
-DEFAULT_ITL_TARGET_MS = {"cpu": 200.0, "cuda": 50.0}
-# Decodes a "typical" step carries when the chunk is derived (at most maxSequences).
+# With no `itlTargetMs`, the chunk is the smallest prefill step that keeps this share of the best
+# prefill rate (tokens per second) the cost model measured: bigger steps would buy under 10% more
+# throughput with a longer stall for every running stream, smaller ones lose throughput quickly on
+# hardware whose per-step cost is mostly reading the weights (a CPU, or a GPU at small batches).
+# The target then is what that step costs beside TYPICAL_DECODES decodes: derived, not borrowed.
+PREFILL_EFFICIENCY = 0.9
+# Decodes a "typical" step carries when the chunk and the default target are derived (at most maxSequences).
 TYPICAL_DECODES = 8
 # Floors when even the smallest step misses the target: the engine still makes progress.
 MIN_DERIVED_BUDGET = 16
 MAX_DERIVED_BUDGET = 65_536
-# Step sizes compared when the default target is out of reach (prefill tokens per step).
+# Prefill step sizes compared for the default target (tokens per step).
 EFFICIENT_STEP_CANDIDATES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048)
 
 
@@ -197,12 +198,26 @@ def _largest(fits: Callable[[int], bool], hi: int) -> int:
     return lo
 
 
-def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None, device: str = "cpu") -> SchedulerLimits:
+def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float]:
+    """The default chunk and ITL target in ms: the smallest candidate prefill step whose rate is at
+    least PREFILL_EFFICIENCY of the best candidate's (a table only within its measured range), and
+    the predicted time of that step beside TYPICAL_DECODES decodes, rounded up to 0.1 ms so the step
+    it was chosen for fits the bound."""
+    top = max(cost.prefill_tokens) if isinstance(cost, TableCost) else MAX_DERIVED_BUDGET
+    candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
+    rate = {c: c / max(cost.seconds_for(0, c), 1e-9) for c in candidates}
+    best = max(rate.values())
+    chunk = min(c for c in candidates if rate[c] >= PREFILL_EFFICIENCY * best)
+    d = min(max_sequences, TYPICAL_DECODES)
+    return chunk, math.ceil(cost.seconds_for(d, chunk) * 10_000.0 - 1e-6) / 10.0
+
+
+def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None) -> SchedulerLimits:
     """Fill a null `tokenBudget` / `prefillChunkSize` from a cost model in seconds and the ITL
-    target (`itlTargetMs`, else DEFAULT_ITL_TARGET_MS for the device): the budget is the largest
-    step of prefill tokens predicted within the target, the chunk what a step with TYPICAL_DECODES
-    decodes leaves. Explicit values win. When anything is derived, or `itlTargetMs` is set, the
-    limits carry the target, and the scheduler bounds each step's total predicted time by it."""
+    target: `itlTargetMs`, else the cost of an efficient step (efficient_prefill_step). The budget is
+    the largest step of prefill tokens predicted within the target, the chunk what a step with
+    TYPICAL_DECODES decodes leaves. Explicit values win. When anything is derived, or `itlTargetMs`
+    is set, the limits carry the target, and the scheduler bounds each step's total predicted time by it."""
     derive = sp.token_budget is None or sp.prefill_chunk_size is None
     if cost is None or isinstance(cost, UnitCost):
         if sp.itl_target_ms is not None:
@@ -213,22 +228,8 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None, device:
         return SchedulerLimits(budget, chunk, None, "static" if derive else "set")
     target_ms = sp.itl_target_ms
     if target_ms is None and derive:
-        target_ms = DEFAULT_ITL_TARGET_MS.get(device.split(":")[0], DEFAULT_ITL_TARGET_MS["cpu"])
+        _chunk, target_ms = efficient_prefill_step(cost, sp.max_sequences)
     target_s = (target_ms or 0.0) / 1000.0
-    warning = None
-    floor = cost.seconds_for(0, MIN_DERIVED_BUDGET)
-    if derive and sp.itl_target_ms is None and floor > target_s:
-        # The default target is out of this machine's reach (a slow or crowded CPU): derive for its
-        # most efficient step instead (the most prefill tokens per second), not the floor's.
-        top = max(cost.prefill_tokens) if isinstance(cost, TableCost) else MAX_DERIVED_BUDGET  # measured range only
-        best = max((b for b in EFFICIENT_STEP_CANDIDATES if b <= max(top, MIN_DERIVED_BUDGET)),
-                   key=lambda b: (b / cost.seconds_for(0, b), -b))
-        # In tenths of a millisecond, rounded up, so the step it was chosen for still fits the bound.
-        default_ms, target_ms = target_ms, math.ceil(cost.seconds_for(0, best) * 10_000.0 - 1e-6) / 10.0
-        target_s = target_ms / 1000.0
-        warning = (f"a step of {MIN_DERIVED_BUDGET} prefill tokens is predicted at {floor * 1000:.0f} ms, over the "
-                   f"default {default_ms:g} ms ITL target: deriving for the most efficient step instead ({best} "
-                   f"tokens, {target_ms:g} ms); set scheduler.itlTargetMs to promise another")
     budget = sp.token_budget
     if budget is None:
         budget = max(MIN_DERIVED_BUDGET, _largest(lambda b: cost.seconds_for(0, b) <= target_s, MAX_DERIVED_BUDGET))
@@ -237,7 +238,9 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None, device:
         d = min(sp.max_sequences, TYPICAL_DECODES, max(0, budget - 1))
         chunk = max(min(MIN_DERIVED_BUDGET, budget),
                     _largest(lambda p: cost.seconds_for(d, p) <= target_s, budget - d))
-    if derive and warning is None and floor > target_s:
+    floor = cost.seconds_for(0, MIN_DERIVED_BUDGET)
+    warning = None
+    if derive and floor > target_s:
         warning = (f"a step of {MIN_DERIVED_BUDGET} prefill tokens is predicted at {floor * 1000:.0f} ms, over the "
                    f"{target_ms:g} ms ITL target: the derived limits sit at their floor")
     return SchedulerLimits(budget, min(chunk, budget), target_ms, "derived" if derive else "set", warning)
