@@ -32,7 +32,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 from magnitude.engine.admission import AdmissionDecision, QueueView, check_admission
 from magnitude.engine.events import EventKind, SchedulerEvent
@@ -363,13 +363,7 @@ class Scheduler:
 
         if fits(n):
             return n
-        lo, hi = 0, n - 1  # the largest m in [1, n) that fits; 0 if none
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
+        lo = largest_fitting(fits, n - 1)
         if lo or cost(d, p) <= target:
             return lo
         # The decodes alone already miss the target (a machine slower than the target): the step is
@@ -775,3 +769,17 @@ class Scheduler:
     @staticmethod
     def _count(counter: dict, key: object) -> None:
         counter[key] = counter.get(key, 0) + 1
+
+
+def largest_fitting(fits: Callable[[int], bool], hi: int) -> int:
+    """The largest n in [1, hi] with fits(n), 0 if none (binary search: cost grows with tokens)."""
+    if hi < 1 or not fits(1):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

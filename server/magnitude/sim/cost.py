@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from magnitude.engine.output import StepPlan
+from magnitude.engine.scheduler import largest_fitting
 from magnitude.policy.schema import STATIC_PREFILL_CHUNK, STATIC_TOKEN_BUDGET, EngineConfig, SchedulerPolicy
 
 
@@ -184,20 +185,6 @@ class SchedulerLimits:
                 "itlTargetMs": self.itl_target_ms, "source": self.source}
 
 
-def _largest(fits: Callable[[int], bool], hi: int) -> int:
-    """The largest n in [1, hi] with fits(n), 0 if none (binary search: cost grows with tokens)."""
-    if hi < 1 or not fits(1):
-        return 0
-    lo = 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float]:
     """The default chunk and ITL target in ms: the smallest candidate prefill step whose rate is at
     least PREFILL_EFFICIENCY of the best candidate's (a table only within its measured range), and
@@ -232,12 +219,12 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None) -> Sche
     target_s = (target_ms or 0.0) / 1000.0
     budget = sp.token_budget
     if budget is None:
-        budget = max(MIN_DERIVED_BUDGET, _largest(lambda b: cost.seconds_for(0, b) <= target_s, MAX_DERIVED_BUDGET))
+        budget = max(MIN_DERIVED_BUDGET, largest_fitting(lambda b: cost.seconds_for(0, b) <= target_s, MAX_DERIVED_BUDGET))
     chunk = sp.prefill_chunk_size
     if chunk is None:
         d = min(sp.max_sequences, TYPICAL_DECODES, max(0, budget - 1))
         chunk = max(min(MIN_DERIVED_BUDGET, budget),
-                    _largest(lambda p: cost.seconds_for(d, p) <= target_s, budget - d))
+                    largest_fitting(lambda p: cost.seconds_for(d, p) <= target_s, budget - d))
     floor = cost.seconds_for(0, MIN_DERIVED_BUDGET)
     warning = None
     if derive and floor > target_s:
