@@ -23,7 +23,7 @@ import math
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from magnitude.engine.output import StepPlan
 from magnitude.engine.scheduler import largest_fitting
