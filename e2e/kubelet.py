@@ -342,7 +342,8 @@ class MetricsFault:
 class FaultProxy:
     """A tiny TCP proxy at a pod's address: each connection's first request decides. `/metrics`
     under a fault is answered (or not) here; anything else is spliced to the engine byte for byte,
-    streams included."""
+    streams included. Under a fault a spliced request goes with `connection: close`, so a client
+    cannot send its next `/metrics` down a keep-alive connection opened by `/readyz` and past the fault."""
 
     def __init__(self, fault: MetricsFault, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
         self.fault, self.upstream = fault, upstream
@@ -379,6 +380,8 @@ class FaultProxy:
                     while not self._closed.is_set() and conn.recv(4096):
                         pass
                 return
+            if mode != "pass":
+                head = head.replace(b"\r\n", b"\r\nconnection: close\r\n", 1)
             with socket.create_connection(self.upstream, timeout=5) as up:
                 up.settimeout(None)
                 self.fault.track(up, True)
