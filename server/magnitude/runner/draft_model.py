@@ -9,15 +9,20 @@ the draft's own paged KV pool, and the draft forwards of each step.
 KV: the draft's pool (`kv_pool.PagedKVPool`, the draft's layer count and head shape) has exactly
 the target pool's block ids: a block the scheduler gives a request holds the target's K/V in the
 target pool and the draft's in this one, so one block costs both (the runner sizes the pool from
-their sum) and swap copies both. The draft writes every position the target writes, in the same
-step, so its KV is valid wherever the target's is (prefix-cache hits included) — with one
-exception: when every draft of a step is accepted, the last draft's position was never fed to the
-draft; the next step feeds it first (`_pending`).
+their sum) and swap copies both. Per request the proposer knows how many leading positions of its
+draft KV are valid (`_fed`). While speculation is on, the draft writes every position the target
+writes, in the same step; it lags only where every draft of a step was accepted (the last draft's
+position was never fed to the draft) and while the scheduler has speculation off (`StepPlan.speculating`,
+the `auto` policy's decision): then the draft runs no forward at all, so an "off" step costs what
+a step without a draft model costs — which is what `auto` measures it against. The next drafting
+step feeds each sequence the positions it lags (from its prompt and output tokens) first. A
+request first seen with a prefix-cache hit trusts the cached blocks' draft KV only while no step
+has ever skipped the draft; after one, its prefix is fed again (same tokens, same K/V).
 
-Per step (`prepare`): one batched draft forward over every scheduled token of the step (prefill
-chunks catch up as the target computes them; a decode's token; a pending token), whose last row
-per drafting sequence gives draft 1, then one batched forward per further lookahead position for
-the sequences still drafting: k forwards for k drafts. A greedy request drafts the argmax; a
+Per step (`prepare`): one batched draft forward over every scheduled token of the step plus what
+each sequence lags (prefill chunks catch up as the target computes them; a decode's token), whose
+last row per drafting sequence gives draft 1, then one batched forward per further lookahead
+position for the sequences still drafting: k forwards for k drafts. A greedy request drafts the argmax; a
 sampling one draws from q (the draft's distribution under the request's temperature / top-k /
 top-p), kept for verification's min(1, p/q) rule (`Sampler.verify`). A failing draft forward
 disables the proposer (`failed`), logged once: the target keeps serving without drafts.
@@ -169,7 +174,9 @@ class DraftModelProposer:
             self._rng.manual_seed(seed)
         else:
             self._rng.seed()
-        self._pending: dict[str, tuple[int, int]] = {}  # request -> (position, token) not yet fed to the draft
+        self._fed: dict[str, int] = {}  # request -> leading positions whose draft K/V is valid
+        self._skipped = False  # a step ran without the draft: cached blocks may lack its K/V
+        self._speculating = True  # this step's StepPlan.speculating
         self._drafts: dict[str, list[int]] = {}
         self._q: dict[str, torch.Tensor] = {}
         self._last_fed: dict[str, int] = {}  # request -> last position the draft was fed this step
@@ -185,7 +192,8 @@ class DraftModelProposer:
         self.pool.swap_out(plan.swap_out)
         self.pool.swap_in(plan.swap_in)
         for rid in plan.released:
-            self._pending.pop(rid, None)
+            self._fed.pop(rid, None)
+        self._speculating = plan.speculating
         self._drafts.clear()
         self._q.clear()
         self._last_fed.clear()
@@ -193,6 +201,11 @@ class DraftModelProposer:
     def prepare(self, seqs: list[ScheduledSeq]) -> None:
         """Feed the step's tokens to the draft and draft for every sequence with a lookahead."""
         if self.failed is not None or not seqs:
+            return
+        if not self._speculating:  # skip the draft; it catches up when drafting resumes
+            for s in seqs:
+                self._remember(s.request_id, self._valid_prefix(s))
+            self._skipped = True
             return
         try:
             self._draft(seqs)
@@ -211,15 +224,34 @@ class DraftModelProposer:
         return None if q is None else q[:n]
 
     def end_step(self, seq: ScheduledSeq, num_drafts: int, num_kept: int) -> None:
-        """After verification: `num_kept` tokens were emitted (num_kept - 1 drafts accepted). When the
-        last accepted draft's position was never fed to the draft, feed it at the next step."""
+        """After verification: `num_kept` tokens were emitted (num_kept - 1 drafts accepted). The
+        draft's K/V stays valid through the accepted drafts it was fed (not a rejected one's, nor the
+        last draft's, which no forward fed): the next step feeds it from there."""
         last_fed = self._last_fed.get(seq.request_id)
         if last_fed is None or num_drafts == 0:
             return
         accepted = min(num_kept - 1, num_drafts)
-        p = seq.start_position + len(seq.token_ids) - 1
-        if accepted >= 1 and p + accepted > last_fed:
-            self._pending[seq.request_id] = (p + accepted, self._drafts[seq.request_id][accepted - 1])
+        end = seq.start_position + len(seq.token_ids)  # the first draft's position
+        self._remember(seq.request_id, end + min(accepted, last_fed - end + 1))
+
+    def _remember(self, request_id: str, fed: int) -> None:
+        """Record what a request's draft K/V holds, most recent last. A release the runner never
+        sees (a plan left empty is not executed) must not grow the map: beyond the requests that
+        can hold blocks, the least recently scheduled go (at worst a live one's draft K/V is fed
+        again: drafts change acceptance, never the output)."""
+        self._fed.pop(request_id, None)
+        self._fed[request_id] = fed
+        while len(self._fed) > self.pool.num_blocks + self.pool.num_swap_blocks:
+            del self._fed[next(iter(self._fed))]
+
+    def _valid_prefix(self, s: ScheduledSeq) -> int:
+        """Leading positions of `s` whose draft K/V is valid before this step writes from its start:
+        what was fed, cut at the step's start (a recompute after preemption rewrites from 0); a
+        request first seen here trusts its cached prefix only if no step ever skipped the draft."""
+        fed = self._fed.get(s.request_id)
+        if fed is None:
+            return 0 if self._skipped else s.start_position
+        return min(fed, s.start_position)
 
     # -- the forwards ------------------------------------------------------------------------------
 
@@ -262,10 +294,9 @@ class DraftModelProposer:
         slices, ids, positions = [], [], []
         offset = 0
         for s in seqs:
-            start, toks = s.start_position, list(s.token_ids)
-            pending = self._pending.pop(s.request_id, None)
-            if pending is not None and pending[0] == start - 1:
-                start, toks = start - 1, [pending[1], *toks]
+            start = self._valid_prefix(s)
+            toks = [*_context(s, start, s.start_position), *s.token_ids]
+            self._remember(s.request_id, s.start_position + len(s.token_ids))
             slices.append(SeqSlice(offset, len(toks), start, s.block_table))
             ids.extend(toks)
             positions.extend(range(start, start + len(toks)))
@@ -294,6 +325,16 @@ class DraftModelProposer:
             for s, p in zip(active, pos):
                 self._last_fed[s.request_id] = p
             tokens = self._choose(self._logits(hidden), active, j)
+
+
+def _context(s: ScheduledSeq, lo: int, hi: int) -> list[int]:
+    """The request's tokens at positions lo..hi-1 (its prompt, then its output)."""
+    prompt, output = s.prompt_token_ids, s.output_token_ids
+    n = len(prompt)
+    tokens = [*prompt[lo:hi], *output[max(lo - n, 0) : max(hi - n, 0)]]
+    if len(tokens) != hi - lo:  # a plan without its request's tokens: drafting stops (prepare), serving goes on
+        raise ValueError(f"{s.request_id}: positions {lo}..{hi - 1} are not in its prompt and output tokens")
+    return tokens
 
 
 __all__ = ["DraftModelError", "DraftModelProposer", "DraftParts", "SELF_PREFIX", "check_tokenizers", "load_draft",
