@@ -168,7 +168,7 @@ def main() -> None:
                 gaps: list[float] = []
                 e2e: list[float] = []
                 outs = []
-                policy = SpeculationPolicy("auto") if is_auto(mode) else None
+                policy = SpeculationPolicy("auto", lookahead=args.k) if is_auto(mode) else None
                 for _ in range(args.repeats):
                     for group in groups:
                         r = serve(runner, group, args.max_tokens, mode, args.k, proposer, policy)

@@ -68,3 +68,28 @@ def test_time_saved_is_estimated_against_the_measured_plain_step_in_every_mode()
         assert p.saved_seconds(0.020, 2, 8) == pytest.approx(4 * 0.010 - 0.020)  # 4 tokens each for 2 steps' time
         assert p.saved_seconds(0.030, 2, 2) == pytest.approx(0.010 - 0.030)  # all rejected: time lost
         assert p.saved_seconds(0.030, 0, 0) is None
+
+
+def test_a_probe_that_still_loses_doubles_the_wait_and_a_gain_resets_it() -> None:
+    p = SpeculationPolicy("auto", min_samples=4, probe_every=20)
+    _run(p, 20, on_s=0.012, off_s=0.010, tokens_on=1.0)  # loses: off
+    assert not p.enabled
+    states = _run(p, 400, on_s=0.012, off_s=0.010, tokens_on=1.0)
+    starts = [i for i in range(1, len(states)) if states[i] and not states[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(gaps) >= 2 and all(b > a for a, b in zip(gaps, gaps[1:])), gaps  # ever rarer probes
+    _run(p, 1500, on_s=0.012, off_s=0.010, tokens_on=3.0)  # the workload turns: a probe finds the gain
+    assert p.enabled and p._probe_wait == 20
+
+
+def test_a_draft_step_dearer_than_lookahead_plus_one_plain_steps_ends_the_probe_at_once() -> None:
+    # A slow draft model: whatever its acceptance, 4 + 1 tokens cannot pay for a step 8x a plain one.
+    p = SpeculationPolicy("auto", min_samples=6, probe_every=20, lookahead=4)
+    _run(p, 30, on_s=0.080, off_s=0.010, tokens_on=4.8)
+    assert not p.enabled
+    states = _run(p, 200, on_s=0.080, off_s=0.010, tokens_on=4.8)
+    probes = [i for i in range(1, len(states)) if states[i] and not states[i - 1]]
+    assert probes and all(states[i:i + 3].count(True) <= 2 for i in probes), states  # two drafted steps a probe
+    unbounded = SpeculationPolicy("auto", min_samples=6, probe_every=20)  # lookahead unknown: the gain decides
+    later = _run(unbounded, 230, on_s=0.080, off_s=0.010, tokens_on=4.8)[30:]
+    assert states.count(True) < later.count(True), (states.count(True), later.count(True))

@@ -10,7 +10,10 @@ it is measured while speculation is on too. Speculation pays when
 
 Starting on, it switches off when the measured gain falls below 1; while off it probes "on" again
 every `probe_every` steps (acceptance changes with the workload: only drafting measures it) and
-stays on if the gain exceeds 1 + `margin`. Modes `on` and `off` never change the state, but the
+stays on if the gain exceeds 1 + `margin`. A probe costs drafted steps, so a probe that finds it
+still losing doubles the wait before the next (up to `probe_every` × MAX_PROBE_BACKOFF; a gain
+resets it), and with `lookahead` known a drafted step slower than (1 + lookahead) plain steps ends
+a probe at once: no acceptance could make it pay (a slow draft model). Modes `on` and `off` never change the state, but the
 costs are measured in every mode: `saved_seconds` estimates what each drafted step saved against
 the measured plain step (the engine's time-saved metric).
 """
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Mode = Literal["on", "off", "auto"]
+MAX_PROBE_BACKOFF = 64
 
 
 @dataclass(slots=True)
@@ -42,14 +46,18 @@ class SpeculationPolicy:
     probe_every: int = 50  # steps off before "on" is measured again
     margin: float = 0.05
     alpha: float = 0.2
+    lookahead: int = 0  # numSpeculativeTokens: a step yields at most 1 + lookahead tokens (0: unknown)
     enabled: bool = field(init=False)
     _on_step: _Ema = field(init=False, default_factory=_Ema)
     _on_tokens: _Ema = field(init=False, default_factory=_Ema)
     _off_step: _Ema = field(init=False, default_factory=_Ema)
     _since_switch: int = field(init=False, default=0)
+    _probe_wait: int = field(init=False, default=0)  # steps off before the next probe
+    _probing: bool = field(init=False, default=False)  # on because a probe switched it on
 
     def __post_init__(self) -> None:
         self.enabled = self.mode != "off"
+        self._probe_wait = self.probe_every
 
     def observe(self, step_s: float, num_decodes: int, num_tokens: int, prefill: bool, drafted: bool) -> bool:
         """One finished step: its duration, how many sequences decoded, how many tokens they got,
@@ -74,6 +82,12 @@ class SpeculationPolicy:
             if self.enabled and self._on_step.samples >= self.min_samples:
                 self._switch()  # "off" never measured (every step drafted): measure it
             return self.enabled
+        # Even every draft accepted would not pay for such a step. Not judged on a probe's first drafted
+        # step: a draft model feeds then what it missed while off.
+        if (self.enabled and self.lookahead and self._on_step.samples >= 2
+                and self._on_step.value > (1 + self.lookahead) * self._off_step.value):
+            self._switch()
+            return self.enabled
         if self.enabled and self._on_step.samples < self.min_samples:
             return self.enabled  # just switched on: let acceptance be measured afresh
         if not self.enabled and self._off_step.samples < self.min_samples:
@@ -82,8 +96,11 @@ class SpeculationPolicy:
         # probe every probe_every steps costs little; staying on at a gain of 0.95 costs 5%).
         if self.enabled and gain < 1.0 or not self.enabled and gain > 1 + self.margin:
             self._switch()
-        elif not self.enabled and self._since_switch >= self.probe_every:
+        elif not self.enabled and self._since_switch >= self._probe_wait:
             self._switch()  # acceptance can only be measured by drafting: probe "on" again
+            self._probing = True
+        elif self.enabled and self._probing:
+            self._probing, self._probe_wait = False, self.probe_every  # the probe found a gain: it stays on
         return self.enabled
 
     def gain(self) -> float | None:
@@ -104,6 +121,10 @@ class SpeculationPolicy:
     def _switch(self) -> None:
         self.enabled = not self.enabled
         self._since_switch = 0
+        if not self.enabled and self._probing:  # a probe found it still losing: probe less often
+            self._probe_wait = min(2 * self._probe_wait, self.probe_every * MAX_PROBE_BACKOFF)
+        if not self.enabled:
+            self._probing = False
         # Fresh sample counts for the state entered: the workload may have changed since it was left.
         if self.enabled:
             self._on_step, self._on_tokens = _Ema(self._on_step.value), _Ema(self._on_tokens.value)

@@ -200,7 +200,8 @@ class AsyncEngine:
             self.trace_recorder = TraceRecorder(config.record_trace, clock(), config.kv_cache.block_size)
         draft = config.draft_model
         # Speculation's on/off state (mode auto: measured, engine/speculation.py); None without a draft.
-        self.speculation = SpeculationPolicy(draft.mode) if draft is not None else None
+        self.speculation = (SpeculationPolicy(draft.mode, lookahead=draft.num_speculative_tokens)
+                            if draft is not None else None)
         self.spec_method = draft.method if draft is not None else ""
         if self.speculation is not None:
             metrics.set_speculation_enabled(self.spec_method, self.speculation.enabled)

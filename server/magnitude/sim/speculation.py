@@ -104,7 +104,7 @@ class SpecSimulation:
         self.cost_model = cost_model
         self.model = model
         self.draft_step_seconds = model.draft_step_seconds or 0.0
-        self.policy = SpeculationPolicy(draft.mode)  # the engine's own policy object
+        self.policy = SpeculationPolicy(draft.mode, lookahead=draft.num_speculative_tokens)  # the engine's own
         self.classes = classes  # request id -> priority class
         self.stats = SpecStats(draft.mode, draft.method, draft.num_speculative_tokens)
         self._rngs: dict[str, random.Random] = {}
