@@ -90,11 +90,14 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
         try:
             models = httpx.get(url + "/v1/models", timeout=2.0)
             # Servers answer /v1/models while loading (Magnitude: empty list; llama-server: /health 503).
+            readyz = httpx.get(url + "/readyz", timeout=2.0)
+            phase = readyz.json().get("phase") if readyz.status_code == 503 else None
+            if phase in ("quantization_rejected", "failed", "dead"):  # it will not become ready by waiting
+                raise RuntimeError(f"{url} will not serve (phase {phase}): {readyz.text[:600]}")
             if models.status_code == 200 and models.json().get("data"):
-                ready = httpx.get(url + "/readyz", timeout=2.0).status_code in (200, 404)
-                if ready and httpx.get(url + "/health", timeout=2.0).status_code != 503:
+                if readyz.status_code in (200, 404) and httpx.get(url + "/health", timeout=2.0).status_code != 503:
                     return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url} not ready after {timeout}s")
