@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -51,15 +50,6 @@ def serve(flags: list[str], sets: list[str], env: dict[str, str], log: Path) -> 
     return proc, f"http://127.0.0.1:{port}"
 
 
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def run_setting(name: str, flags: list[str], sets: list[str], traces: dict[str, Path], env: dict[str, str],
                 out_dir: Path, cost_file: Path | None) -> dict:
     proc, url = serve(flags + (["--cost-model", str(cost_file)] if cost_file else []), sets, env,
@@ -82,7 +72,7 @@ def run_setting(name: str, flags: list[str], sets: list[str], traces: dict[str, 
             result[trace] = rb.summarize(json.loads(report.read_text()), trace)
         print(f"  {name}: {json.dumps(result)}", flush=True)
     finally:
-        stop(proc)
+        rb.stop_server(proc)
     return result
 
 

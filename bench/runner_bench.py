@@ -196,14 +196,19 @@ def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, g
             print(f"  {system:9} {name:5} {json.dumps({k: _r(v) for k, v in results[name].items()})}", flush=True)
         results["rss"] = {"peak_rss_gb": peak_rss_gb(proc.pid)}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
         log.close()
     return results
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (started with start_new_session), SIGKILL after 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def peak_rss_gb(pid: int) -> float | None:

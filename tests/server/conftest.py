@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
@@ -130,3 +131,15 @@ def model_server() -> Iterator[RunningServer]:
     load = lambda progress: ModelRunner(num_blocks=512, progress=progress)  # noqa: E731
     with serve(load, config) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache root of its own per test module (quantization records, cost models), sharing the
+    converted model with the user's cache so no module converts it again."""
+    from magnitude.runner.loading import cache_root
+
+    root = tmp_path_factory.mktemp("magnitude-cache")
+    (cache_root() / "models").mkdir(parents=True, exist_ok=True)
+    (root / "models").symlink_to(cache_root() / "models")
+    return root

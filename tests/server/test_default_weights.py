@@ -79,17 +79,6 @@ def _serve(cache: Path, log: Path, *sets: str) -> Iterator[tuple[str, subprocess
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache root of its own for records and cost models, sharing the converted model."""
-    from magnitude.runner.loading import cache_root
-
-    root = tmp_path_factory.mktemp("magnitude-cache")
-    (cache_root() / "models").mkdir(parents=True, exist_ok=True)
-    (root / "models").symlink_to(cache_root() / "models")
-    return root
-
-
 @pytest.mark.model
 def test_serve_without_flags_loads_the_default_for_this_cpu_and_falls_back_when_its_record_fails(
         cache: Path, tmp_path: Path) -> None:

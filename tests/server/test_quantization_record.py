@@ -22,17 +22,6 @@ from .test_serve_cli import env, serve_cmd
 pytestmark = pytest.mark.model
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache root of its own for the records, sharing the converted model with the user's cache."""
-    from magnitude.runner.loading import cache_root
-
-    root = tmp_path_factory.mktemp("magnitude-cache")
-    (cache_root() / "models").mkdir(parents=True, exist_ok=True)
-    (root / "models").symlink_to(cache_root() / "models")
-    return root
-
-
 def _serve(cache: Path, tmp_path: Path, *sets: str) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     port = free_port()
     log = tmp_path / "serve.log"
