@@ -51,7 +51,7 @@ def main() -> None:
                              num_blocks=32 * (args.context // 16 + 2) + 64, seed=0,
                              record_cache=cache_root() / "quantization-records")
         # decode batches with no prefill, and lone prefill chunks with no decodes: one table, two slices
-        doc = profile_runner(runner, [0, *decodes], [0, *prefills], args.context, args.repeats)
+        doc = profile_runner(runner, [0, *decodes], [0, *prefills], args.context, args.repeats, attention=False)
         sec = doc["seconds"]
         row = {f"decode{d}": 1.0 / sec[i + 1][0] for i, d in enumerate(decodes)}
         row.update({f"prefill{p}": 1.0 / sec[0][j + 1] for j, p in enumerate(prefills)})

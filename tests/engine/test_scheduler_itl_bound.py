@@ -16,9 +16,10 @@ from sched_helpers import fake_output, make_request, shape
 
 @dataclass(frozen=True)
 class Affine:
-    """A cost model stand-in with round numbers: 10 ms a step, 5 ms a decode, 1 ms a prefill token."""
+    """A cost model stand-in with round numbers: 10 ms a step, 5 ms a decode, 1 ms a prefill token
+    (no attention terms: where the tokens sit does not matter)."""
 
-    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float:
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0, attention=None) -> float:
         return 0.010 + 0.005 * decodes + 0.001 * prefill_tokens
 
 

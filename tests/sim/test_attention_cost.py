@@ -26,8 +26,9 @@ def chunk(rid: str, start: int, n: int, sample: bool = False) -> ScheduledSeq:
 
 def test_attention_shape_counts_contexts_and_query_key_pairs() -> None:
     plan = StepPlan(1, [decode("a", 100), decode("b", 300), chunk("c", 0, 4), chunk("d", 10, 2, sample=True)])
-    # decodes: 101 + 301; chunks: 4 tokens from 0 (1+2+3+4) and 2 from 10 (11+12)
-    assert attention_shape(plan) == (402, 6, 10 + 23)
+    # contexts: the decodes' 101 + 301 and the 10 positions before chunk d; chunks: 4 tokens from 0
+    # (1+2+3+4 pairs) and 2 from 10 (11+12)
+    assert attention_shape(plan) == (412, 6, 10 + 23)
 
 
 def test_without_attention_figures_a_step_costs_what_the_table_says() -> None:
@@ -48,7 +49,8 @@ def test_long_contexts_cost_more_and_short_prompts_together_cost_less() -> None:
     assert cost.step_seconds(one_prompt) == pytest.approx(cost.seconds_for(0, 480))  # the table's own shape
     saved = (480 * 481 // 2 - 4 * (120 * 121 // 2)) * 1e-7
     assert cost.step_seconds(one_prompt) - cost.step_seconds(four_prompts) == pytest.approx(saved)
-    assert cost.step_seconds(deep_chunk) - cost.step_seconds(one_prompt) == pytest.approx(480 * 1520 * 1e-7)
+    # a deep chunk reads its 1,520 earlier positions, as a decode reads its context, and attends more pairs
+    assert cost.step_seconds(deep_chunk) - cost.step_seconds(one_prompt) == pytest.approx(1520 * 1e-5 + 480 * 1520 * 1e-7)
 
 
 def test_a_profile_file_carries_the_attention_figures(tmp_path: Path) -> None:

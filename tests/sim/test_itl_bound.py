@@ -22,6 +22,10 @@ MEASURED = TableCost(
              (0.036, 0.058, 0.089, 0.236),
              (0.071, 0.094, 0.126, 0.268)),
 )
+# The same with the calibration's attention figures: decodes of long documents and chunks deep in a
+# 3,000-token prompt cost more than the table's shape says, and the bound must see it.
+WITH_ATTENTION = TableCost(decode_batch_sizes=MEASURED.decode_batch_sizes, prefill_tokens=MEASURED.prefill_tokens,
+                           seconds=MEASURED.seconds, per_decode_context_token=5e-6, per_attention_pair=2e-7)
 
 
 def documents() -> list[TraceRecord]:
@@ -41,7 +45,7 @@ def decoding_steps(result: SimResult) -> list:
     return [s for s in result.steps if s.decode]
 
 
-@pytest.mark.parametrize("cost", [LinearCost(), MEASURED], ids=["linear", "measured"])
+@pytest.mark.parametrize("cost", [LinearCost(), MEASURED, WITH_ATTENTION], ids=["linear", "measured", "attention"])
 @pytest.mark.parametrize("scenario", ["documents", "long-prompt", "mixed"])
 def test_no_step_with_decodes_is_predicted_over_the_target(cost, scenario: str) -> None:
     # The case: a big budget and a derived chunk; several prompts share a step.

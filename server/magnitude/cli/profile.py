@@ -1,11 +1,11 @@
 """`magnitude profile`: measure the real runner's step time and write the simulator's cost model.
 
 Times one real `ModelRunner.execute` over a grid of (decode batch size, prefill tokens): `d`
-decodes at a fixed context length plus one prefill chunk of `p` tokens, the fastest of
+decodes at a fixed context length plus one prefill chunk of `p` tokens, the median of
 `--repeats` passes over the grid after one unmeasured run, with the same function (runner/calibration.py
 `profile_runner`) the engine calibrates itself with at start-up. The output is the `table` cost model that
 `magnitude.sim.cost.load_cost_model` reads (`--cost-model FILE.json`), plus the measured swap cost
-per token. With `--itl-target`, it derives and prints the largest prefill chunk that keeps a
+per token and the attention figures (runner/attention_cost.py). With `--itl-target`, it derives and prints the largest prefill chunk that keeps a
 mixed step (with `--itl-batch` decodes) under the target: the integer the engine uses when
 `prefillChunkSize` is unset ("derive the integer, don't borrow it").
 """

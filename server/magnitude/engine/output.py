@@ -8,6 +8,7 @@ that back. Nothing here imports torch: the runner reads plain ints and lists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from magnitude.engine.request import RequestStatus
 from magnitude.engine.sampling import SamplingParams
@@ -44,6 +45,27 @@ class ScheduledSeq:
         return len(self.token_ids)
 
 
+class AttentionLoad(NamedTuple):
+    """The attention a step does, for cost models that charge it (sim/cost.py TableCost): the
+    context every sequence reads (a decode its context plus itself, a prefill chunk the positions
+    before it), the prefill chunks' tokens, and their query-key pairs (a chunk of n tokens from
+    position s: n*s + n(n+1)/2)."""
+
+    contexts: int = 0
+    chunk_tokens: int = 0
+    pairs: int = 0
+
+    def plus_decode(self, start: int) -> "AttentionLoad":
+        return AttentionLoad(self.contexts + start + 1, self.chunk_tokens, self.pairs)
+
+    def plus_chunk(self, start: int, n: int) -> "AttentionLoad":
+        return AttentionLoad(self.contexts + start, self.chunk_tokens + n, self.pairs + n * start + n * (n + 1) // 2)
+
+    def minus(self, other: "AttentionLoad") -> "AttentionLoad":
+        return AttentionLoad(self.contexts - other.contexts, self.chunk_tokens - other.chunk_tokens,
+                             self.pairs - other.pairs)
+
+
 @dataclass(slots=True)
 class StepPlan:
     """Everything one step does. Decodes come first in `seqs`, then prefill chunks."""
@@ -72,6 +94,15 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.seqs and not self.swap_out and not self.swap_in
+
+    def attention_load(self) -> AttentionLoad:
+        """What this step's sequences read and attend (a decode's lookahead positions are not
+        counted: they are charged as prefill tokens by the cost models)."""
+        load = AttentionLoad()
+        for s in self.seqs:
+            n = len(s.token_ids)
+            load = load.plus_decode(s.start_position) if s.sample and n == 1 else load.plus_chunk(s.start_position, n + s.num_lookahead)
+        return load
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ from typing import Callable, Protocol
 from magnitude.engine.admission import AdmissionDecision, QueueView, check_admission
 from magnitude.engine.events import EventKind, SchedulerEvent
 from magnitude.engine.kv_cache import KVCacheManager
-from magnitude.engine.output import RequestUpdate, RunnerOutput, ScheduledSeq, StepPlan
+from magnitude.engine.output import AttentionLoad, RequestUpdate, RunnerOutput, ScheduledSeq, StepPlan
 from magnitude.engine.queue import COMPACT_SLACK, RequestQueue, queue_key
 from magnitude.engine.request import Request, RequestStatus
 from magnitude.engine.stats import SchedulerStats
@@ -59,7 +59,8 @@ _TERMINAL_EVENT: dict[RequestStatus, EventKind] = {
 class StepCost(Protocol):
     """What `preemptionMode: auto` needs of a cost model (sim/cost.py's models satisfy it)."""
 
-    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float: ...
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
+                    attention: AttentionLoad | None = None) -> float: ...
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ class _Step:
     swapped_in: set[str] = field(default_factory=set)
     cost_decodes: int = 0  # the step's shape for the ITL bound: one-token sampling chunks
     cost_prefill: int = 0  # and every other token (chunks, draft positions)
+    attention: AttentionLoad = AttentionLoad()  # and what its sequences read and attend
     itl_floor_left: int = 0  # prefill tokens still allowed in a step whose decodes alone miss the target
 
 
@@ -345,6 +347,7 @@ class Scheduler:
             tenant_tokens[req.tenant] = tenant_tokens.get(req.tenant, 0) + 1 + k
             step.cost_decodes += 1
             step.cost_prefill += k
+            step.attention = step.attention.plus_decode(computed)
         return partials
 
     def _itl_cap(self, step: _Step, start: int, num_tokens: int, n: int) -> int:
@@ -355,17 +358,17 @@ class Scheduler:
         if target is None or step.cost_decodes == 0 or n <= 0:
             return n
         assert self.cost_model is not None
-        cost, d, p = self.cost_model.seconds_for, step.cost_decodes, step.cost_prefill
+        cost, d, p, att = self.cost_model.seconds_for, step.cost_decodes, step.cost_prefill, step.attention
 
         def fits(m: int) -> bool:
             if m == 1 and start + 1 == num_tokens:  # a one-token sampling chunk is shaped as a decode
-                return cost(d + 1, p) <= target
-            return cost(d, p + m) <= target
+                return cost(d + 1, p, attention=att.plus_decode(start)) <= target
+            return cost(d, p + m, attention=att.plus_chunk(start, m)) <= target
 
         if fits(n):
             return n
         lo = largest_fitting(fits, n - 1)
-        if lo or cost(d, p) <= target:
+        if lo or cost(d, p, attention=att) <= target:
             return lo
         # The decodes alone already miss the target (a machine slower than the target): the step is
         # late whatever it carries, so prefill still gets ITL_PREFILL_FLOOR tokens, or admission would
@@ -476,8 +479,10 @@ class Scheduler:
         step.tenant_tokens[req.tenant] = step.tenant_tokens.get(req.tenant, 0) + n
         if n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
             step.cost_decodes += 1
+            step.attention = step.attention.plus_decode(req.num_computed_tokens)
         else:
             step.cost_prefill += n
+            step.attention = step.attention.plus_chunk(req.num_computed_tokens, n)
         req.last_prefill_step = self.step_id
         req.last_defer_reason = None
 
@@ -515,8 +520,10 @@ class Scheduler:
             if n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
                 step.cost_decodes -= 1
                 step.cost_prefill -= k
+                step.attention = step.attention.minus(AttentionLoad().plus_decode(req.num_computed_tokens))
             else:
                 step.cost_prefill -= n + k
+                step.attention = step.attention.minus(AttentionLoad().plus_chunk(req.num_computed_tokens, n))
         del self.running[rid]
         self._running_by_tenant[req.tenant] -= 1
         req.num_preemptions += 1
@@ -655,6 +662,8 @@ class Scheduler:
         assert total <= self.token_budget, "token budget exceeded"
         assert len(self.running) <= self.max_sequences, "sequence budget exceeded"
         assert self.kv.num_used <= self.kv.num_blocks, "block budget exceeded"
+        if self.itl_target_s is not None:  # what the ITL bound predicted is what the plan does
+            assert step.attention == step.plan.attention_load(), "attention load countdown drifted"
         bs = self.block_size
         for rid, n in step.scheduled.items():
             req = self.running[rid]

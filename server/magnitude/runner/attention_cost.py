@@ -4,12 +4,15 @@ The step table (`magnitude profile`, the start-up calibration) is measured with 
 one context length and the prefill chunk from position 0, so it cannot tell a decode of a 3,000-
 token document from one of a 200-token chat, nor a chunk deep into a long prompt from the first
 one. `measure_attention` times the same real steps at two context lengths: `decodes` decodes at
-`context` (the table's) and at a far context (4x, as far as the KV pool and the model's context
-allow), and a prefill chunk of `chunk` tokens starting at 0 and ending at the far context (the
-fastest of at least three runs each, near and far alternating, after one unmeasured run: other
-processes only ever add time, as in the table's own cells). The slopes
-are `per_decode_context_token` (seconds per decode per context token) and `per_attention_pair`
-(seconds per query-key pair of a prefill chunk), which `sim/cost.py TableCost` charges away from
+`context` (the table's) and at a far context (FAR_FACTOR x, as far as the KV pool and the model's
+context allow), and a prefill chunk of `chunk` tokens starting at 0 and ending at the far context.
+Near and far run back to back, after one unmeasured run each, and a slope is the median of the
+paired differences (at least MIN_REPEATS pairs): a burst of other processes' load then spoils one
+pair, not one side of the slope, and a far context 8x the near one makes the difference several
+times a step's own jitter. The slopes
+are `per_decode_context_token` (seconds per context token a sequence reads: a decode's context,
+a chunk's earlier positions) and `per_attention_pair` (seconds per query-key pair of a prefill
+chunk, after its reading is charged at the first slope), which `sim/cost.py TableCost` charges away from
 the table's measured shape. They are kept apart because decode attention (one query gathering a
 long paged context) and chunk attention (many queries at once) cost very differently per pair.
 Torch-free at import, like the other measuring functions the CLI imports.
@@ -17,6 +20,7 @@ Torch-free at import, like the other measuring functions the CLI imports.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +28,9 @@ from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
 
 
-MIN_REPEATS = 3  # a slope is a difference of two times: one run each is too noisy
+MIN_REPEATS = 3  # a slope is a difference of two times: one pair is too noisy
+FAR_FACTOR = 8
+
 
 
 @dataclass(frozen=True)
@@ -55,32 +61,34 @@ def _chunk_plan(start: int, n: int, block_size: int) -> StepPlan:
     return StepPlan(0, [ScheduledSeq("p", [100] * n, start, list(range(_blocks(start, n, block_size))), True, greedy)])
 
 
-def _pair(runner: Any, near: StepPlan, far: StepPlan, repeats: int) -> tuple[float, float]:
-    """Fastest times of `near` and `far`, run alternately (after one unmeasured run each), so a burst
-    of other processes' load lands on both rather than on one side of the slope."""
-    runner.execute(near)  # unmeasured: first-shape effects
+def _paired_difference(runner: Any, near: StepPlan, far: StepPlan, repeats: int) -> float:
+    """Median of (far - near) over pairs run back to back, after one unmeasured run of each
+    (first-shape effects)."""
+    runner.execute(near)
     runner.execute(far)
-    a = b = float("inf")
+    diffs = []
     for _ in range(max(MIN_REPEATS, repeats)):
-        a = min(a, runner.execute(near).duration_s)
-        b = min(b, runner.execute(far).duration_s)
-    return a, b
+        a = runner.execute(near).duration_s
+        diffs.append(runner.execute(far).duration_s - a)
+    return statistics.median(diffs)
 
 
 def measure_attention(runner: Any, context: int = 256, decodes: int = 8, chunk: int = 128,
-                      repeats: int = 3) -> AttentionFigures:
+                      repeats: int = 5) -> AttentionFigures:
     bs = runner.block_size
-    far = min(4 * context, runner.num_blocks * bs - 1, getattr(runner, "max_model_len", 1 << 30) - 1)
+    far = min(FAR_FACTOR * context, runner.num_blocks * bs - 1, getattr(runner, "max_model_len", 1 << 30) - 1)
     if far <= context:  # nothing to compare: no correction
         return AttentionFigures(0.0, 0.0, context)
     d = max(1, min(decodes, runner.num_blocks // _blocks(far, 1, bs)))
-    near_t, far_t = _pair(runner, _decode_plan(d, context, bs), _decode_plan(d, far, bs), repeats)
-    decode_slope = (far_t - near_t) / (d * (far - context))
+    decode_slope = _paired_difference(runner, _decode_plan(d, context, bs), _decode_plan(d, far, bs),
+                                      repeats) / (d * (far - context))
     n = min(chunk, far)
     start = far - n
     prefill_slope = 0.0
     if start:
-        near_t, far_t = _pair(runner, _chunk_plan(0, n, bs), _chunk_plan(start, n, bs), repeats)
-        prefill_slope = (far_t - near_t) / (n * start)
+        # A deep chunk also reads its `start` earlier positions, as a decode reads its context: the
+        # cost model charges that at the decode slope, so the pair slope is what is left.
+        extra = _paired_difference(runner, _chunk_plan(0, n, bs), _chunk_plan(start, n, bs), repeats)
+        prefill_slope = (extra - max(0.0, decode_slope) * start) / (n * start)
     # A negative slope is noise around zero (a busy machine), not cheaper attention.
     return AttentionFigures(max(0.0, decode_slope), max(0.0, prefill_slope), context)

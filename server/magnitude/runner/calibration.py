@@ -2,8 +2,10 @@
 start-up `calibrating` phase, and the cache that lets a restart skip it.
 
 `profile_runner` times real `runner.execute` calls over a grid of (decode batch size, prefill
-tokens): `d` decodes at a fixed context length plus one prefill chunk of `p` tokens, the fastest
-of `repeats` passes over the grid. Its result is the simulator's `table` cost model document
+tokens): `d` decodes at a fixed context length plus one prefill chunk of `p` tokens, the median
+of `repeats` passes over the grid; then the attention figures (runner/attention_cost.py: what a
+decode pays per context token beyond that length, a chunk deep in a long prompt per query-key
+pair) and the swap rate. Its result is the simulator's `table` cost model document
 (sim/cost.py reads it; `GET /debug/cost-model` returns it). `calibrated_cost_model` is the engine's
 entry: the cached table for this model, weights and hardware, else a short measurement (the grid
 below, a few seconds on two CPU cores), reported as progress and written to
@@ -20,12 +22,14 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
+from magnitude.runner.attention_cost import measure_attention
 from magnitude.runner.swap_bandwidth import measure_swap
 
 log = logging.getLogger(__name__)
@@ -35,9 +39,14 @@ log = logging.getLogger(__name__)
 CALIBRATION_DECODES = (0, 1, 4, 16)
 CALIBRATION_PREFILLS = (0, 16, 64, 256)
 CALIBRATION_CONTEXT = 256
-CALIBRATION_REPEATS = 2
+CALIBRATION_REPEATS = 3
+# The attention figures' prefill chunk (a typical derived chunk is 128-256 tokens) and the share of
+# the calibration's progress the grid stands for (the attention pairs take about the rest).
+ATTENTION_CHUNK = 128
+GRID_SHARE = 0.6
+ATTENTION_REPEATS = 3
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "2"  # 2: per_swap_token by measure_swap, the attention figures
+CALIBRATION_VERSION = "3"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells
 
 ProgressFn = Callable[[float], None]
 
@@ -58,36 +67,37 @@ def blocks_needed(decodes: list[int], prefills: list[int], context: int, block_s
 
 
 def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context: int, repeats: int,
-                   progress: ProgressFn | None = None) -> dict:
+                   progress: ProgressFn | None = None, attention: bool = True) -> dict:
     """The cost-model document for this runner (kind `table`). One unmeasured run of the largest
-    cell (first-shape effects), then `repeats` passes over the grid; a cell's time is its fastest
-    pass (other processes only ever add time, and passes spread a burst of their load over the
-    grid), and the table is made non-decreasing along both axes (more work never costs less),
-    which the ITL bound's searches rely on. `progress(fraction)` after each measured cell."""
+    cell (first-shape effects), then `repeats` passes over the grid; a cell's time is its median
+    pass: the simulator and the ITL bound predict the steps the engine will run, which jitter as
+    these do (the fastest pass put replays of the engine's own traffic 6-12% fast; a burst of other
+    load lands on one pass of a cell, which the median drops), and the table is made non-decreasing along both axes (more work never costs less),
+    which the ITL bound's searches rely on. `progress(fraction)` after each measured cell (the grid
+    is the first GRID_SHARE of the work). `attention=False` leaves the attention figures out (a
+    benchmark that reads only the table's cells)."""
     block_size = runner.block_size
     runner.execute(_plan(max(decodes), max(prefills), context, block_size, 0))
     cells = [(i, j) for i in range(len(decodes)) for j in range(len(prefills))]
-    best = [[float("inf")] * len(prefills) for _ in decodes]
-    done, total = 0, max(1, repeats) * len(cells)
+    times: list[list[list[float]]] = [[[] for _ in prefills] for _ in decodes]
+    done, total = 0, max(1, repeats) * len(cells) / (GRID_SHARE if attention else 1.0)
     for _ in range(max(1, repeats)):
         for i, j in cells:
             d, p = decodes[i], prefills[j]
             if d or p:  # an empty step does nothing: leave it at the floor
-                best[i][j] = min(best[i][j], runner.execute(_plan(d, p, context, block_size, done + 1)).duration_s)
+                times[i][j].append(runner.execute(_plan(d, p, context, block_size, done + 1)).duration_s)
             done += 1
             if progress is not None:
                 progress(done / total)
-    seconds = [[max(v if v != float("inf") else 0.0, 1e-6) for v in row] for row in best]
+    seconds = [[max(statistics.median(v) if v else 0.0, 1e-6) for v in row] for row in times]
     for i, row in enumerate(seconds):
         for j in range(len(row)):
             row[j] = max(row[j], row[j - 1] if j else 0.0, seconds[i - 1][j] if i else 0.0)
-    return {
+    doc = {
         "kind": "table",
         "decode_batch_sizes": decodes,
         "prefill_tokens": prefills,
         "seconds": seconds,
-        # Attention figures (runner/attention_cost.py) are not measured here: on a busy 2-core machine
-        # their slopes were too noisy and made replays worse (bench/sim_fidelity.py); add them by hand.
         "per_swap_token": measure_swap(runner, max(1, repeats)).per_swap_token,
         "block_size": block_size,
         "meta": {
@@ -100,6 +110,11 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     }
+    if attention:
+        doc.update(measure_attention(runner, context, chunk=ATTENTION_CHUNK, repeats=ATTENTION_REPEATS).to_document())
+        if progress is not None:
+            progress(1.0)
+    return doc
 
 
 def calibration_grid(runner: Any) -> tuple[list[int], list[int], int]:

@@ -7,13 +7,15 @@
   "prefill_tokens": [...], "seconds": [[...], ...]}` (rows: decode batch sizes, columns: prefill
   tokens), interpolated bilinearly and extrapolated linearly from the edges. The table is measured
   with every decode at `decode_context` tokens and the prefill as one sequence from position 0.
-  With `per_decode_context_token` and `per_attention_pair` (`runner/attention_cost.py`) a step is
-  charged for the attention it really does away from that shape: a decode per context token
-  beyond (or short of) `decode_context`, a prefill chunk per query-key pair beyond what one
-  sequence of all the step's chunk tokens would have. Decodes of long documents and chunks deep
-  into a long prompt cost more; several short prompts in one step cost less than one long one.
+  With `per_decode_context_token` and `per_attention_pair` (`runner/attention_cost.py`, measured
+  by the calibration) a step is charged for the attention it really does away from that shape:
+  every sequence per context token it reads (a decode's beyond or short of `decode_context`, a
+  chunk's positions before it), a prefill chunk per query-key pair beyond what one sequence of
+  all the step's chunk tokens would have. Decodes of long documents and chunks deep into a long
+  prompt cost more; several short prompts in one step cost less than one long one.
 
-The simulator and the server's simulated runner both call `step_seconds(plan)`. Pure.
+The simulator and the server's simulated runner call `step_seconds(plan)`; the scheduler's ITL
+bound calls `seconds_for` with the step's `AttentionLoad` as it builds the step. Pure.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
 
-from magnitude.engine.output import StepPlan
+from magnitude.engine.output import AttentionLoad, StepPlan
 from magnitude.engine.scheduler import largest_fitting
 from magnitude.policy.schema import STATIC_PREFILL_CHUNK, STATIC_TOKEN_BUDGET, EngineConfig, SchedulerPolicy
 
@@ -53,7 +55,11 @@ class CostModel(Protocol):
 
     def step_seconds(self, plan: StepPlan) -> float: ...
 
-    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float: ...
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
+                    attention: AttentionLoad | None = None) -> float:
+        """A step of this shape; `attention` None: at the shape the model was measured at (the
+        unit and linear models have no attention terms and ignore it)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ class UnitCost:
     def step_seconds(self, plan: StepPlan) -> float:
         return 1.0
 
-    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float:
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
+                    attention: AttentionLoad | None = None) -> float:
         return 1.0
 
 
@@ -76,7 +83,8 @@ class LinearCost:
     block_size: int = 16
     name: str = "linear"
 
-    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float:
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
+                    attention: AttentionLoad | None = None) -> float:
         return (self.base + self.per_prefill_token * prefill_tokens + self.per_decode_seq * decodes
                 + self.per_swap_token * swapped_tokens)
 
@@ -123,33 +131,25 @@ class TableCost:
         v = row(i) if len(s) == 1 else (1 - wi) * row(i) + wi * row(i + 1)
         return max(v, 1e-6)
 
-    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0) -> float:
-        return self._at(decodes, prefill_tokens) + self.per_swap_token * swapped_tokens
-
-    def step_seconds(self, plan: StepPlan) -> float:
-        decodes, prefill, swapped = plan_shape(plan, self.block_size)
-        seconds = self.seconds_for(decodes, prefill, swapped)
-        if self.per_decode_context_token or self.per_attention_pair:
-            contexts, chunk_tokens, pairs = attention_shape(plan)
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
+                    attention: AttentionLoad | None = None) -> float:
+        seconds = self._at(decodes, prefill_tokens) + self.per_swap_token * swapped_tokens
+        if attention is not None and (self.per_decode_context_token or self.per_attention_pair):
+            contexts, chunk_tokens, pairs = attention
             seconds += self.per_decode_context_token * (contexts - decodes * (self.decode_context + 1))
             seconds += self.per_attention_pair * (pairs - chunk_tokens * (chunk_tokens + 1) // 2)
             seconds = max(seconds, 1e-6)
         return seconds
 
+    def step_seconds(self, plan: StepPlan) -> float:
+        return self.seconds_for(*plan_shape(plan, self.block_size), attention=attention_shape(plan))
 
-def attention_shape(plan: StepPlan) -> tuple[int, int, int]:
-    """(the decodes' contexts summed, prefill chunk tokens, the chunks' query-key pairs): a chunk of
-    n tokens from position s attends n*s + n(n+1)/2 keys in all; a decode its context plus itself."""
-    contexts = tokens = pairs = 0
-    for s in plan.seqs:
-        n = len(s.token_ids)
-        if s.sample and n == 1:
-            contexts += s.start_position + 1
-        else:
-            n += s.num_lookahead
-            tokens += n
-            pairs += n * s.start_position + n * (n + 1) // 2
-    return contexts, tokens, pairs
+
+def attention_shape(plan: StepPlan) -> AttentionLoad:
+    """The step's attention (engine/output.py AttentionLoad): a decode reads its context plus
+    itself; a chunk of n tokens from position s reads the s positions before it and attends
+    n*s + n(n+1)/2 query-key pairs."""
+    return plan.attention_load()
 
 
 # With no `itlTargetMs`, the chunk is the smallest prefill step that keeps this share of the best
