@@ -44,7 +44,7 @@ CALIBRATION_REPEATS = 3
 # the calibration's progress the grid stands for (the attention pairs take about the rest).
 ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
-ATTENTION_REPEATS = 3
+ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
 CALIBRATION_VERSION = "3"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells
 
