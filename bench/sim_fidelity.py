@@ -13,7 +13,9 @@
    generated trace (arrivals only: no preparation, no prefix groups);
 5. prints TTFT p50/p99, ITL p50, E2E p50 and throughput for each, and the ratio simulator / engine
    (target 0.85-1.15), with the load average: the machine is shared, so read the ratios, not the
-   seconds.
+   seconds; then the steps the engine ran (its magnitude_step_duration_seconds histogram: count and
+   seconds) against the replay's, which tells a cost model that is off per step from a schedule
+   that differs.
 """
 
 from __future__ import annotations
@@ -70,6 +72,21 @@ def figures(report: dict) -> dict[str, float | None]:
     return out
 
 
+def step_totals(metrics: str) -> tuple[int, float]:
+    """(steps, seconds in steps) from the engine's magnitude_step_duration_seconds histogram."""
+    values = {}
+    for line in metrics.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("magnitude_step_duration_seconds_count", "magnitude_step_duration_seconds_sum"):
+            values[name] = float(value)
+    return int(values.get("magnitude_step_duration_seconds_count", 0)), values.get("magnitude_step_duration_seconds_sum", 0.0)
+
+
+def sim_step_totals(report: dict) -> tuple[int, float]:
+    steps = report.get("steps") or []
+    return len(steps), sum(s["duration"] for s in steps)
+
+
 def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict[str, str], cost: Path) -> dict:
     """Serve, save the engine's calibrated cost model to `cost` (unless it exists), replay the trace."""
     port = free_port()
@@ -93,7 +110,9 @@ def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict
         real = trace.with_suffix(".real.json")
         subprocess.run([PYTHON, str(ROOT / "bench" / "loadgen.py"), str(trace), "--url", url, "--out", str(real)],
                        env=env, check=True)
-        return json.loads(real.read_text())
+        report = json.loads(real.read_text())
+        report["engine_steps"] = step_totals(httpx.get(url + "/metrics", timeout=30).text)
+        return report
     finally:
         server.send_signal(signal.SIGTERM)  # the recorder flushes on the way out
         try:
@@ -141,7 +160,8 @@ def main() -> int:
         cost.unlink(missing_ok=True)
     recorded = work / "recorded.jsonl"
     sets = [x for kv in args.sets for x in ("--set", kv)]
-    real = figures(serve_and_load(trace, recorded, [*args.serve_arg, *sets], env, cost))
+    engine_report = serve_and_load(trace, recorded, [*args.serve_arg, *sets], env, cost)
+    real = figures(engine_report)
     doc = json.loads(cost.read_text())
     table_only = work / "cost-table-only.json"
     table_only.write_text(json.dumps({k: v for k, v in doc.items()
@@ -153,8 +173,9 @@ def main() -> int:
                                 "cancel_at": None if r.cancel_at is None else r.cancel_at - shift,
                                 "deadline": None if r.deadline is None else r.deadline - shift}) for r in rec]
     write_trace(rec, recorded)
+    replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(cost), "--json", *sets))
     sims = {
-        "recorded": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(cost), "--json", *sets))),
+        "recorded": figures(replay),
         "recorded table-only": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(table_only),
                                                           "--json", *sets))),
         "generated": figures(json.loads(run_cli("simulate", str(trace), "--cost-model", str(cost), "--json", *sets))),
@@ -171,6 +192,12 @@ def main() -> int:
         print(f"{'ratio sim/engine':>26}" + "".join(
             f"{(sim[n] / real[n] if real[n] else float('nan')):>14.3f}" for n in names))
     print(f"finished: engine {real['finished']}, " + ", ".join(f"sim {k} {v['finished']}" for k, v in sims.items()))
+    # Whether a gap is in the steps' cost or in what they carry: the engine's steps (forward pass plus
+    # scheduling, from its own histogram) against the replay's predicted steps.
+    (en, es), (sn, ss) = engine_report["engine_steps"], sim_step_totals(replay)
+    print(f"steps: engine {en} in {es:.2f} s (mean {es / max(en, 1) * 1000:.1f} ms), "
+          f"sim recorded {sn} in {ss:.2f} s (mean {ss / max(sn, 1) * 1000:.1f} ms), mean ratio sim/engine "
+          f"{(ss / max(sn, 1)) / (es / max(en, 1)) if es else float('nan'):.3f}")
     return 0
 
 
