@@ -32,6 +32,8 @@ def configs(draw, pressure: bool = False):
         f"scheduler.agingSecondsPerLevel={draw(st.sampled_from(['null', '1', '5']))}",
         f"scheduler.tenantFairness={draw(st.booleans())}",
         f"scheduler.maxLookaheadTokens={draw(st.integers(0, 2))}",
+        # With a target, the ITL bound runs and the step's attention load is checked against its plan.
+        f"scheduler.itlTargetMs={draw(st.sampled_from(['null', '25', '60']))}",
         f"kvCache.blockSize={block}",
         f"kvCache.numBlocks={draw(st.integers(50 // block + 1, (64 if pressure else 100) // block))}",
         f"kvCache.swapBlocks={draw(st.integers(1 if mode == 'swap' else 0, 24))}",  # swap needs host space

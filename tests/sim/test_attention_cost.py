@@ -43,14 +43,35 @@ def test_long_contexts_cost_more_and_short_prompts_together_cost_less() -> None:
     long_doc = StepPlan(1, [decode("a", 1024)])
     assert cost.step_seconds(at_table) == pytest.approx(cost.seconds_for(1, 0))
     assert cost.step_seconds(long_doc) - cost.step_seconds(at_table) == pytest.approx(768 * 1e-5)
-    one_prompt = StepPlan(1, [chunk("p", 0, 480)])
-    four_prompts = StepPlan(1, [chunk(f"p{i}", 0, 120) for i in range(4)])
-    deep_chunk = StepPlan(1, [chunk("p", 1520, 480)])
-    assert cost.step_seconds(one_prompt) == pytest.approx(cost.seconds_for(0, 480))  # the table's own shape
-    saved = (480 * 481 // 2 - 4 * (120 * 121 // 2)) * 1e-7
+    one_prompt = StepPlan(1, [chunk("p", 0, 512)])
+    four_prompts = StepPlan(1, [chunk(f"p{i}", 0, 128) for i in range(4)])
+    deep_chunk = StepPlan(1, [chunk("p", 1520, 512)])
+    assert cost.step_seconds(one_prompt) == pytest.approx(cost.seconds_for(0, 512))  # the table's own shape
+    saved = (512 * 513 // 2 - 4 * (128 * 129 // 2)) * 1e-7
     assert cost.step_seconds(one_prompt) - cost.step_seconds(four_prompts) == pytest.approx(saved)
     # a deep chunk reads its 1,520 earlier positions, as a decode reads its context, and attends more pairs
-    assert cost.step_seconds(deep_chunk) - cost.step_seconds(one_prompt) == pytest.approx(1520 * 1e-5 + 480 * 1520 * 1e-7)
+    assert cost.step_seconds(deep_chunk) - cost.step_seconds(one_prompt) == pytest.approx(1520 * 1e-5 + 512 * 1520 * 1e-7)
+
+
+def test_beyond_the_table_short_prompts_are_discounted_only_by_pairs_the_table_charged() -> None:
+    """The table's last column is 512 tokens, extrapolated linearly: 2,048 prefill tokens carry 4x the
+    pairs of one 512-token prompt, not those of one 2,048-token prompt (4x more again)."""
+    cost = TableCost(**TABLE, per_attention_pair=1e-7)
+    eight_prompts = StepPlan(1, [chunk(f"p{i}", 0, 256) for i in range(8)])
+    charged = 4 * (512 * 513 // 2)
+    assert cost.step_seconds(eight_prompts) == pytest.approx(cost.seconds_for(0, 2048) - (charged - 8 * (256 * 257 // 2)) * 1e-7)
+    assert cost.step_seconds(eight_prompts) > cost.seconds_for(0, 2048) * 0.9  # a quadratic baseline took off 0.18 s of 2.0
+
+
+def test_draft_positions_attend_their_context() -> None:
+    """A decode with k draft positions after it: they are computed beside the decode and each attends
+    the whole context before it (k*(s+1) + k(k+1)/2 pairs)."""
+    plan = StepPlan(1, [ScheduledSeq("a", [1], 1000, [], True, GREEDY, num_lookahead=4)])
+    assert attention_shape(plan) == (1001, 4, 4 * 1001 + 10)
+    cost = TableCost(**TABLE, per_attention_pair=1e-7)
+    far = StepPlan(1, [ScheduledSeq("a", [1], 1000, [], True, GREEDY, num_lookahead=4)])
+    near = StepPlan(1, [ScheduledSeq("a", [1], 10, [], True, GREEDY, num_lookahead=4)])
+    assert cost.step_seconds(far) - cost.step_seconds(near) == pytest.approx(4 * 990 * 1e-7)
 
 
 def test_a_profile_file_carries_the_attention_figures(tmp_path: Path) -> None:

@@ -48,15 +48,18 @@ class ScheduledSeq:
 class AttentionLoad(NamedTuple):
     """The attention a step does, for cost models that charge it (sim/cost.py TableCost): the
     context every sequence reads (a decode its context plus itself, a prefill chunk the positions
-    before it), the prefill chunks' tokens, and their query-key pairs (a chunk of n tokens from
-    position s: n*s + n(n+1)/2)."""
+    before it), the tokens computed beside the decodes' own (prefill chunks, draft positions), and
+    their query-key pairs (n tokens from position s: n*s + n(n+1)/2)."""
 
     contexts: int = 0
     chunk_tokens: int = 0
     pairs: int = 0
 
-    def plus_decode(self, start: int) -> "AttentionLoad":
-        return AttentionLoad(self.contexts + start + 1, self.chunk_tokens, self.pairs)
+    def plus_decode(self, start: int, lookahead: int = 0) -> "AttentionLoad":
+        """A decode at `start` with `lookahead` draft positions after it (start+1 ...)."""
+        k = lookahead
+        return AttentionLoad(self.contexts + start + 1, self.chunk_tokens + k,
+                             self.pairs + k * (start + 1) + k * (k + 1) // 2)
 
     def plus_chunk(self, start: int, n: int) -> "AttentionLoad":
         return AttentionLoad(self.contexts + start, self.chunk_tokens + n, self.pairs + n * start + n * (n + 1) // 2)
@@ -96,12 +99,14 @@ class StepPlan:
         return not self.seqs and not self.swap_out and not self.swap_in
 
     def attention_load(self) -> AttentionLoad:
-        """What this step's sequences read and attend (a decode's lookahead positions are not
-        counted: they are charged as prefill tokens by the cost models)."""
+        """What this step's sequences read and attend, draft positions included."""
         load = AttentionLoad()
         for s in self.seqs:
             n = len(s.token_ids)
-            load = load.plus_decode(s.start_position) if s.sample and n == 1 else load.plus_chunk(s.start_position, n + s.num_lookahead)
+            if s.sample and n == 1:
+                load = load.plus_decode(s.start_position, s.num_lookahead)
+            else:
+                load = load.plus_chunk(s.start_position, n + s.num_lookahead)
         return load
 
 

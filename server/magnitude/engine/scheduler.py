@@ -347,7 +347,7 @@ class Scheduler:
             tenant_tokens[req.tenant] = tenant_tokens.get(req.tenant, 0) + 1 + k
             step.cost_decodes += 1
             step.cost_prefill += k
-            step.attention = step.attention.plus_decode(computed)
+            step.attention = step.attention.plus_decode(computed, k)
         return partials
 
     def _itl_cap(self, step: _Step, start: int, num_tokens: int, n: int) -> int:
@@ -520,7 +520,7 @@ class Scheduler:
             if n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
                 step.cost_decodes -= 1
                 step.cost_prefill -= k
-                step.attention = step.attention.minus(AttentionLoad().plus_decode(req.num_computed_tokens))
+                step.attention = step.attention.minus(AttentionLoad().plus_decode(req.num_computed_tokens, k))
             else:
                 step.cost_prefill -= n + k
                 step.attention = step.attention.minus(AttentionLoad().plus_chunk(req.num_computed_tokens, n))

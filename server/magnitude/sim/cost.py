@@ -10,8 +10,9 @@
   With `per_decode_context_token` and `per_attention_pair` (`runner/attention_cost.py`, measured
   by the calibration) a step is charged for the attention it really does away from that shape:
   every sequence per context token it reads (a decode's beyond or short of `decode_context`, a
-  chunk's positions before it), a prefill chunk per query-key pair beyond what one sequence of
-  all the step's chunk tokens would have. Decodes of long documents and chunks deep into a long
+  chunk's positions before it), and per query-key pair of its chunks and draft positions beyond
+  what the table's time for that many prefill tokens carries (its columns are one sequence from
+  position 0, interpolated linearly). Decodes of long documents and chunks deep into a long
   prompt cost more; several short prompts in one step cost less than one long one.
 
 The simulator and the server's simulated runner call `step_seconds(plan)`; the scheduler's ITL
@@ -137,9 +138,20 @@ class TableCost:
         if attention is not None and (self.per_decode_context_token or self.per_attention_pair):
             contexts, chunk_tokens, pairs = attention
             seconds += self.per_decode_context_token * (contexts - decodes * (self.decode_context + 1))
-            seconds += self.per_attention_pair * (pairs - chunk_tokens * (chunk_tokens + 1) // 2)
+            seconds += self.per_attention_pair * (pairs - self._table_pairs(chunk_tokens))
             seconds = max(seconds, 1e-6)
         return seconds
+
+    def _table_pairs(self, tokens: int) -> float:
+        """The query-key pairs the table's own time for `tokens` prefill tokens carries: each column
+        was measured as one sequence from position 0 (n(n+1)/2 pairs), and the table interpolates and
+        extrapolates linearly between columns, so the pairs it implies do too. (Beyond the last
+        column they grow linearly, not quadratically: n(n+1)/2 there would discount several short
+        prompts by pairs the table never charged.)"""
+        xs = self.prefill_tokens
+        j, w = _interp(list(xs), tokens)
+        lo = xs[j] * (xs[j] + 1) / 2
+        return lo if len(xs) == 1 else (1 - w) * lo + w * xs[j + 1] * (xs[j + 1] + 1) / 2
 
     def step_seconds(self, plan: StepPlan) -> float:
         return self.seconds_for(*plan_shape(plan, self.block_size), attention=attention_shape(plan))
