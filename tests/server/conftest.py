@@ -6,6 +6,8 @@ one per session (loading takes a while on two cores).
 
 from __future__ import annotations
 
+import json
+
 import socket
 import threading
 import time
@@ -131,6 +133,17 @@ def model_server() -> Iterator[RunningServer]:
     load = lambda progress: ModelRunner(num_blocks=512, progress=progress)  # noqa: E731
     with serve(load, config) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def cost_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A step-cost table in `magnitude profile`'s format, for real-model servers whose tests are about
+    something else (weights, records): `--cost-model` skips the start-up calibration, which
+    tests/runner/test_calibration.py covers, and which costs each such server half a minute."""
+    path = tmp_path_factory.mktemp("cost-model") / "cost.json"
+    path.write_text(json.dumps({"kind": "table", "decode_batch_sizes": [0, 1, 16], "prefill_tokens": [0, 16, 256],
+                                "seconds": [[1e-6, 0.1, 0.7], [0.05, 0.12, 0.75], [0.2, 0.3, 0.9]]}))
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -60,9 +60,9 @@ def test_cpu_flags_and_the_bundled_gguf_is_q4_1(tmp_path: Path):
     assert not q4_1_gguf(tmp_path / "model.safetensors")
 
 
-def _serve(cache: Path, log: Path, *sets: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def _serve(cache: Path, cost_model: Path, log: Path, *sets: str) -> Iterator[tuple[str, subprocess.Popen]]:
     port = free_port()
-    args = ["--port", str(port), "--set", "kvCache.numBlocks=64"]
+    args = ["--port", str(port), "--cost-model", str(cost_model), "--set", "kvCache.numBlocks=64"]
     for s in sets:
         args += ["--set", s]
     with log.open("w") as out:  # a file: loading logs could fill an unread pipe
@@ -81,11 +81,11 @@ def _serve(cache: Path, log: Path, *sets: str) -> Iterator[tuple[str, subprocess
 
 @pytest.mark.model
 def test_serve_without_flags_loads_the_default_for_this_cpu_and_falls_back_when_its_record_fails(
-        cache: Path, tmp_path: Path) -> None:
+        cache: Path, cost_model_file: Path, tmp_path: Path) -> None:
     expected = choose_weights(None, "auto", "cpu", True)
     print(f"\nthis CPU: {expected}")
     log = tmp_path / "serve.log"
-    for url, proc in _serve(cache, log):
+    for url, proc in _serve(cache, cost_model_file, log):
         r = _wait_loaded(url, proc, log)
         assert r.status_code == 200, r.text
         weights = r.json()["weights"]
@@ -95,7 +95,7 @@ def test_serve_without_flags_loads_the_default_for_this_cpu_and_falls_back_when_
             assert r.json()["quantization"]["passed"], r.json()["quantization"]
     if expected.quantization == "none":
         return  # nothing quantized here, so nothing to fall back from
-    for url, proc in _serve(cache, log, "quantizationEvaluation.minTop1Agreement=1.0",
+    for url, proc in _serve(cache, cost_model_file, log, "quantizationEvaluation.minTop1Agreement=1.0",
                             "quantizationEvaluation.maxMeanKl=0"):
         r = _wait_loaded(url, proc, log)
         assert r.status_code == 200, r.text  # served, not quantization_rejected

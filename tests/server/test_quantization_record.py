@@ -22,10 +22,11 @@ from .test_serve_cli import env, serve_cmd
 pytestmark = pytest.mark.model
 
 
-def _serve(cache: Path, tmp_path: Path, *sets: str) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+def _serve(cache: Path, cost_model: Path, tmp_path: Path, *sets: str) -> Iterator[tuple[str, subprocess.Popen, Path]]:
     port = free_port()
     log = tmp_path / "serve.log"
-    args = ["--port", str(port), "--quantization", "w8a16", "--set", "kvCache.numBlocks=64"]
+    args = ["--port", str(port), "--quantization", "w8a16", "--cost-model", str(cost_model),
+            "--set", "kvCache.numBlocks=64"]
     for s in sets:
         args += ["--set", s]
     with log.open("w") as out:  # a file: loading logs could fill an unread pipe
@@ -55,8 +56,8 @@ def _wait_loaded(url: str, proc: subprocess.Popen, log: Path, timeout: float = 6
     pytest.fail(f"not loaded in {timeout}s: {log.read_text()[-3000:]}")
 
 
-def test_weights_that_pass_are_served_with_their_record(cache: Path, tmp_path: Path) -> None:
-    for url, proc, log in _serve(cache, tmp_path):
+def test_weights_that_pass_are_served_with_their_record(cache: Path, cost_model_file: Path, tmp_path: Path) -> None:
+    for url, proc, log in _serve(cache, cost_model_file, tmp_path):
         r = _wait_loaded(url, proc, log)
         assert r.status_code == 200, r.text
         print(f"\nevaluation record: {r.json()['quantization']}")
@@ -75,9 +76,9 @@ def test_weights_that_pass_are_served_with_their_record(cache: Path, tmp_path: P
     assert len(list((cache / "quantization-records").glob("*.json"))) == 1
 
 
-def test_weights_below_the_thresholds_are_not_served(cache: Path, tmp_path: Path) -> None:
+def test_weights_below_the_thresholds_are_not_served(cache: Path, cost_model_file: Path, tmp_path: Path) -> None:
     # The cached record from the first test (a restarted pod) is judged against stricter thresholds.
-    for url, proc, log in _serve(cache, tmp_path, "quantizationEvaluation.minTop1Agreement=0.999"):
+    for url, proc, log in _serve(cache, cost_model_file, tmp_path, "quantizationEvaluation.minTop1Agreement=0.999"):
         r = _wait_loaded(url, proc, log)
         assert r.status_code == 503
         body = r.json()
@@ -92,8 +93,8 @@ def test_weights_below_the_thresholds_are_not_served(cache: Path, tmp_path: Path
         assert len(passed) == 1 and 'method="w8a16"' in passed[0] and passed[0].endswith(" 0.0"), passed
 
 
-def test_enforce_false_serves_a_failed_record_and_says_so(cache: Path, tmp_path: Path) -> None:
-    for url, proc, log in _serve(cache, tmp_path, "quantizationEvaluation.minTop1Agreement=0.999",
+def test_enforce_false_serves_a_failed_record_and_says_so(cache: Path, cost_model_file: Path, tmp_path: Path) -> None:
+    for url, proc, log in _serve(cache, cost_model_file, tmp_path, "quantizationEvaluation.minTop1Agreement=0.999",
                                  "quantizationEvaluation.enforce=false"):
         r = _wait_loaded(url, proc, log)
         assert r.status_code == 200
