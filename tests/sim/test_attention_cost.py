@@ -10,7 +10,7 @@ import pytest
 
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
-from magnitude.sim.cost import TableCost, attention_shape, load_cost_model
+from magnitude.sim.cost import TableCost, load_cost_model
 
 GREEDY = SamplingParams(max_tokens=1)
 TABLE = dict(decode_batch_sizes=(0.0, 8.0), prefill_tokens=(0.0, 512.0), seconds=((0.01, 0.51), (0.05, 0.55)))
@@ -28,7 +28,7 @@ def test_attention_shape_counts_contexts_and_query_key_pairs() -> None:
     plan = StepPlan(1, [decode("a", 100), decode("b", 300), chunk("c", 0, 4), chunk("d", 10, 2, sample=True)])
     # contexts: the decodes' 101 + 301 and the 10 positions before chunk d; chunks: 4 tokens from 0
     # (1+2+3+4 pairs) and 2 from 10 (11+12)
-    assert attention_shape(plan) == (412, 6, 10 + 23)
+    assert plan.attention_load() == (412, 6, 10 + 23)
 
 
 def test_without_attention_figures_a_step_costs_what_the_table_says() -> None:
@@ -67,7 +67,7 @@ def test_draft_positions_attend_their_context() -> None:
     """A decode with k draft positions after it: they are computed beside the decode and each attends
     the whole context before it (k*(s+1) + k(k+1)/2 pairs)."""
     plan = StepPlan(1, [ScheduledSeq("a", [1], 1000, [], True, GREEDY, num_lookahead=4)])
-    assert attention_shape(plan) == (1001, 4, 4 * 1001 + 10)
+    assert plan.attention_load() == (1001, 4, 4 * 1001 + 10)
     cost = TableCost(**TABLE, per_attention_pair=1e-7)
     far = StepPlan(1, [ScheduledSeq("a", [1], 1000, [], True, GREEDY, num_lookahead=4)])
     near = StepPlan(1, [ScheduledSeq("a", [1], 10, [], True, GREEDY, num_lookahead=4)])

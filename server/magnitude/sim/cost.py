@@ -154,14 +154,7 @@ class TableCost:
         return lo if len(xs) == 1 else (1 - w) * lo + w * xs[j + 1] * (xs[j + 1] + 1) / 2
 
     def step_seconds(self, plan: StepPlan) -> float:
-        return self.seconds_for(*plan_shape(plan, self.block_size), attention=attention_shape(plan))
-
-
-def attention_shape(plan: StepPlan) -> AttentionLoad:
-    """The step's attention (engine/output.py AttentionLoad): a decode reads its context plus
-    itself; a chunk of n tokens from position s reads the s positions before it and attends
-    n*s + n(n+1)/2 query-key pairs."""
-    return plan.attention_load()
+        return self.seconds_for(*plan_shape(plan, self.block_size), attention=plan.attention_load())
 
 
 # With no `itlTargetMs`, the chunk is the smallest prefill step that keeps this share of the best
