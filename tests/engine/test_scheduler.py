@@ -12,7 +12,7 @@ from magnitude.engine.request import RequestStatus
 from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.load import ConfigError, resolve_config
-from magnitude.sim.cost import LinearCost
+from magnitude.sim.cost import LinearCost, TableCost
 
 
 def step(s, t: float, dt: float = 1.0, token: int = 7):
@@ -137,6 +137,38 @@ def test_auto_preemption_recomputes_when_recompute_is_cheaper_or_host_space_is_s
     preempted, events = _auto_run(fast_copy, swap_blocks=0)  # auto with no host space is allowed: it recomputes
     assert preempted and all(mode == "recompute" for _, mode, _ in preempted)
     assert events[0].detail["auto"] == "swap_space_full"
+
+
+def test_auto_preemption_charges_the_attention_a_recompute_redoes() -> None:
+    """Recompute is charged chunk by chunk as the scheduler would run it, each chunk reading the
+    positions before it, so a long victim costs more than its token count on the prefill curve,
+    and that can make swapping it the cheaper choice."""
+    from types import SimpleNamespace
+
+    def table(pair: float, context: float) -> TableCost:
+        # An empty step 10 ms; 16 prefill tokens 26 ms (1 ms a token); swap 0.8 ms a token moved.
+        return TableCost(decode_batch_sizes=(0, 8), prefill_tokens=(0, 16), seconds=((0.010, 0.026), (0.020, 0.036)),
+                         per_swap_token=0.0008, block_size=2, per_decode_context_token=context,
+                         per_attention_pair=pair)
+
+    def scheduler(cost: TableCost) -> Scheduler:
+        return Scheduler(resolve_config(None, ["scheduler.tokenBudget=64", "scheduler.prefillChunkSize=16",
+                                               "scheduler.preemptionMode=auto", "kvCache.blockSize=2",
+                                               "kvCache.numBlocks=64", "kvCache.swapBlocks=64"]), cost_model=cost)
+
+    victim = SimpleNamespace(num_computed_tokens=48, block_ids=list(range(24)))
+    flat = scheduler(table(0.0, 0.0))
+    assert flat._recompute_seconds(48) == pytest.approx(3 * 0.016)
+    choice, figures = flat._preemption_by_cost(victim)
+    assert choice == "recompute" and figures["swap_s"] == pytest.approx(0.0008 * 2 * 48)
+
+    deep = scheduler(table(pair=1e-4, context=1e-4))
+    # Chunks at 0, 16 and 32 read 0 + 16 + 32 earlier positions and add 16 * start pairs each
+    # beyond the table's own (a chunk from position 0).
+    assert deep._recompute_seconds(48) == pytest.approx(3 * 0.016 + 1e-4 * 48 + 1e-4 * 16 * 48)
+    choice, figures = deep._preemption_by_cost(victim)
+    assert choice == "swap" and figures["auto"] == "swap_cheaper"
+    assert figures["recompute_s"] > figures["swap_s"]
 
 
 def test_auto_preemption_needs_a_cost_model_and_swap_needs_swap_blocks() -> None:

@@ -556,13 +556,13 @@ class Scheduler:
 
     def _preemption_by_cost(self, req: Request) -> tuple[str, dict[str, object]]:
         """`auto`: recompute or swap, whichever the cost model says is cheaper for this victim.
-        Recompute re-runs its computed tokens as prefill (the curve's rise above an empty step);
-        swap copies its blocks to the host and back. No host room for its blocks: recompute."""
+        Recompute re-runs its computed tokens as prefill (`_recompute_seconds`); swap copies its
+        blocks to the host and back. No host room for its blocks: recompute."""
         assert self.cost_model is not None
         computed = req.num_computed_tokens
         blocks = len(req.block_ids)
         cost = self.cost_model
-        recompute_s = max(0.0, cost.seconds_for(0, computed) - cost.seconds_for(0, 0))
+        recompute_s = self._recompute_seconds(computed)
         swap_s = max(0.0, cost.seconds_for(0, 0, 2 * blocks * self.block_size) - cost.seconds_for(0, 0))
         if blocks > self.kv.num_free_host_blocks:
             choice, why = "recompute", "swap_space_full"
@@ -570,6 +570,20 @@ class Scheduler:
             choice, why = ("swap", "swap_cheaper") if swap_s < recompute_s else ("recompute", "recompute_cheaper")
         return choice, {"auto": why, "recompute_s": round(recompute_s, 6), "swap_s": round(swap_s, 6),
                         "computed_tokens": computed, "blocks": blocks}
+
+    def _recompute_seconds(self, computed: int) -> float:
+        """What re-running `computed` tokens costs as this scheduler would run them: chunks of
+        `chunk_size`, each the curve's rise above an empty step, and each reading the positions
+        before it. A cost model that measures attention charges that reading, which grows with the
+        square of the length: a long victim is dearer to recompute than its token count says."""
+        cost = self.cost_model
+        assert cost is not None
+        empty = cost.seconds_for(0, 0)
+        total = 0.0
+        for start in range(0, computed, self.chunk_size):
+            n = min(self.chunk_size, computed - start)
+            total += max(0.0, cost.seconds_for(0, n, attention=AttentionLoad().plus_chunk(start, n)) - empty)
+        return total
 
     def _record_preempt(self, step: _Step, req: Request, mode: str, reason: str, now: float,
                         figures: dict[str, object] | None = None) -> None:
