@@ -24,7 +24,7 @@ Client: bench/loadgen.py (token-id prompts of exact length, `ignore_eos`, exact 
 
 Traces (written to the out dir):
 - mixed: 24 requests offered at t=0, prompts 16..400 tokens, outputs 16..64 tokens;
-- moderate: the same request shapes arriving as a Poisson process at --moderate-rate (by default
+- moderate: requests drawn like the mixed trace's (seed 1) arriving as a Poisson process at --moderate-rate (by default
   0.67 of llama-server's mixed req/s, measured first in the same run), the load most deployments
   see most of the time: ITL and E2E p50 there are what a user waits for;
 - long: 4 short chats running, then one 1,500-token prompt at t=1 s, then more short chats
@@ -72,7 +72,8 @@ DEFAULT_MODERATE_RATE = 0.75  # about 0.67 of llama-server's 1.15 req/s on the m
 
 
 def moderate_trace(rate: float, seed: int = 1, n: int = 24) -> list[TraceRecord]:
-    """The mixed trace's request shapes arriving as a Poisson process of `rate` requests a second."""
+    """Requests drawn like the mixed trace's (its generator, seed 1) arriving as a Poisson process
+    of `rate` requests a second."""
     rng = random.Random(seed)
     t, recs = 0.0, []
     for i, shape in enumerate(mixed_trace(seed, n)):
@@ -194,14 +195,15 @@ def single_stream(path: Path, url: str, report_path: Path, repeats: int = 3) -> 
             "single_ms_per_token_runs": [r[0] * 1000 for r in runs]}
 
 
-def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict:
+def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, gguf: Path, out_dir: Path,
+               log_name: str | None = None) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # Same threading for every system (torch and ggml both use libgomp here): the runner's default
     # short spin (see magnitude/runner/__init__.py), applied to llama-server and HF too.
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GOMP_SPINCOUNT="1000",
                PYTHONPATH=f"{ROOT / 'server'}:{ROOT / 'operator'}")
-    log = open(out_dir / f"{system}.log", "w")
+    log = open(out_dir / f"{log_name or system}.log", "w")
     proc = subprocess.Popen(server_command(system, port, args, gguf), env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     results = {}
@@ -317,10 +319,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {system}", flush=True)
         if rate_from_llama and system == "llama":
             results[system] = run_system(system, traces, args, gguf, out_dir)
-            rate = MODERATE_SHARE * results[system]["mixed"]["req_s"]
-            print(f"moderate trace: {rate:.3f} req/s ({MODERATE_SHARE:.2f} of llama-server's mixed req/s)", flush=True)
+            llama_rate = results[system]["mixed"]["req_s"]
+            if llama_rate:
+                rate = MODERATE_SHARE * llama_rate
+                print(f"moderate trace: {rate:.3f} req/s ({MODERATE_SHARE:.2f} of llama-server's mixed req/s)", flush=True)
+            else:
+                rate = DEFAULT_MODERATE_RATE
+                print(f"moderate trace: llama-server finished nothing on the mixed trace; {rate} req/s", flush=True)
             traces["moderate"] = written("moderate", moderate_trace(rate))
-            more = run_system(system, {"moderate": traces["moderate"]}, args, gguf, out_dir)
+            more = run_system(system, {"moderate": traces["moderate"]}, args, gguf, out_dir, log_name="llama-moderate")
             peaks = [r["rss"]["peak_rss_gb"] for r in (results[system], more) if r["rss"]["peak_rss_gb"] is not None]
             results[system] |= {"moderate": more["moderate"], "rss": {"peak_rss_gb": max(peaks, default=None)}}
             continue

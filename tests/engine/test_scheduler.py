@@ -166,6 +166,10 @@ def test_auto_preemption_charges_the_attention_a_recompute_redoes() -> None:
     # Chunks at 0, 16 and 32 read 0 + 16 + 32 earlier positions and add 16 * start pairs each
     # beyond the table's own (a chunk from position 0).
     assert deep._recompute_seconds(48) == pytest.approx(3 * 0.016 + 1e-4 * 48 + 1e-4 * 16 * 48)
+    # 40 tokens: chunks at 0 and 16, then 8 tokens at 32 (half the table's 16-token rise, 32
+    # positions read, 8 * 32 + 36 pairs against the 68 the table interpolates for 8 tokens).
+    last = 0.008 + 1e-4 * 32 + 1e-4 * (8 * 32 + 36 - 68)
+    assert deep._recompute_seconds(40) == pytest.approx(0.016 + (0.016 + 1e-4 * 16 + 1e-4 * 256) + last)
     choice, figures = deep._preemption_by_cost(victim)
     assert choice == "swap" and figures["auto"] == "swap_cheaper"
     assert figures["recompute_s"] > figures["swap_s"]

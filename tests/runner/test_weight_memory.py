@@ -1,6 +1,6 @@
 """`runner/file_pages.py`: pages of the checkpoint's mapping that quantized weights no longer read
-are given back, a dropped page comes back from the file with its data, and anonymous memory is
-never dropped (it would come back as zeros)."""
+are given back, a dropped page comes back from the file with its data, a page written since
+loading keeps its data, and anonymous memory is never asked for."""
 
 from __future__ import annotations
 
@@ -53,12 +53,26 @@ def test_anonymous_memory_is_never_dropped():
     assert torch.equal(weight, kept)
 
 
-def test_pages_shared_with_a_neighbour_are_kept(tmp_path):
-    """Only pages wholly inside the tensor: a tensor smaller than a page drops nothing, and its
-    neighbour in the same file keeps its data."""
+def test_a_page_written_since_loading_keeps_its_data(tmp_path):
+    """A written page of a private mapping is the process's own memory: asking it back must not
+    lose the write (MADV_DONTNEED would bring back the file's zeros)."""
     path = tmp_path / "w.safetensors"
-    tensors = {"a": torch.randn(100), "b": torch.randn(100)}
-    safetensors_torch.save_file(tensors, path)
+    safetensors_torch.save_file({"w": torch.zeros(1 << 20)}, path)
+    weight = safetensors_torch.load_file(path)["w"]
+    weight.fill_(3.0)
+    drop_pages(weight, file_backed_ranges())
+    assert torch.equal(weight, torch.full((1 << 20,), 3.0))
+
+
+def test_only_pages_wholly_inside_the_tensor_are_asked_for(tmp_path):
+    """Two multi-page tensors back to back, their boundary inside a page: giving back `a` must
+    leave `b`'s written values alone, and a view that is not contiguous asks for nothing."""
+    path = tmp_path / "w.safetensors"
+    page_floats = mmap.PAGESIZE // 4
+    safetensors_torch.save_file({"a": torch.zeros(3 * page_floats + 100), "b": torch.zeros(3 * page_floats)}, path)
     loaded = safetensors_torch.load_file(path)
-    assert drop_pages(loaded["a"], file_backed_ranges()) == 0
-    assert torch.equal(loaded["b"], tensors["b"])
+    a, b = loaded["a"], loaded["b"]
+    b.fill_(5.0)  # every page of b, including the one it shares with a's tail
+    assert 0 < drop_pages(a, file_backed_ranges()) < a.numel() * 4
+    assert torch.equal(b, torch.full_like(b, 5.0))
+    assert drop_pages(a.view(-1, 4)[:, 0], file_backed_ranges()) == 0  # strided view

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from magnitude.runner import QUANTIZATIONS, canonical_quantization
-from magnitude.runner.file_pages import drop_pages, file_backed_ranges
+from magnitude.runner.file_pages import drop_pages, file_backed_ranges, in_ranges
 
 # The range a symmetric int8 scale maps onto; -128 is left unused so that x and -x quantize alike.
 _QMAX = 127.0
@@ -369,13 +369,20 @@ def quantize_linears(model: nn.Module, quantization: str | None, device: torch.d
 
 
 def _own_unquantized_parameters(model: nn.Module) -> None:
-    """Copy the parameters quantization left in the model's dtype (embeddings, norms) into memory
-    of their own. Loading maps the checkpoint file and every parameter is a view of that mapping;
-    the few views left after quantizing keep the whole mapping, and every page of it that loading
-    and quantizing read, resident: for SmolLM2 fp32 + w4a16, 513 MiB of file pages held for 113 MiB
-    of embeddings (`bench/step_profile.py --memory`)."""
-    for p in model.parameters():
-        p.data = p.data.clone()
+    """Copy the parameters and buffers quantization left in the model's dtype (embeddings, norms)
+    out of the mapped checkpoint into memory of their own. Loading maps the checkpoint file and
+    every parameter is a view of that mapping; the few views left after quantizing keep the whole
+    mapping, and every page of it that loading and quantizing read, resident: for SmolLM2 fp32 +
+    w4a16, 513 MiB of file pages held for 113 MiB of embeddings (`bench/step_profile.py --memory`).
+    Tensors not in a file mapping (a checkpoint converted while loading) are left as they are."""
+    mapped = file_backed_ranges()
+    for p in model.parameters():  # tied parameters come once
+        if in_ranges(p.data, mapped):
+            p.data = p.data.clone()
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and in_ranges(b, mapped):
+                module._buffers[name] = b.clone()
 
 
 def _replace_linears(model: nn.Module, method: str, device: torch.device, calibration_ids: list[int] | None) -> int:
