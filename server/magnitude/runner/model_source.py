@@ -107,7 +107,9 @@ def _remembered_sha(spec: HubSpec) -> str | None:
 def _remember(spec: HubSpec, sha: str) -> None:
     ref = _ref_file(spec)
     ref.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ref.with_suffix(f".tmp-{os.getpid()}")
+    # Unique per process and thread: two fetches in one process (a target and its draft, or the
+    # tests' three threads) each rename their own file; one shared name lost the race.
+    tmp = ref.with_suffix(f".tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(sha)
     tmp.replace(ref)
 
