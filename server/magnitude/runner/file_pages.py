@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def file_backed_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
+@functools.cache  # find_library runs ldconfig: once per process, not once per weight
 def _madvise() -> ctypes._CFuncPtr | None:
     name = ctypes.util.find_library("c")
     if name is None:
