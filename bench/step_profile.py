@@ -10,6 +10,9 @@ runs their decode steps (every --batches x --contexts; and lone prefill chunks o
 shared host's noise falls on all of them alike; prints median wall and process-CPU ms per step
 and the ratio to the first variant.
 
+`--compare-decoders` loads one runner (--dtype, --quantization) and runs the same cells through
+transformers' forward and through the runner's lean forward (runner/paged_decoder.py), interleaved.
+
 `--memory` loads the runner (--dtype, --quantization) and prints where its resident memory is:
 live tensor bytes by kind (distinct storages) against the process's anonymous and file-backed RSS.
 
@@ -26,6 +29,8 @@ Wall-clock timers on module forward hooks (CPU ops are synchronous, so hooks bra
 on CUDA the script synchronizes in each hook, which slows it but keeps the split honest).
 Prints seconds per step and percentages for a mixed step of `--decodes` decodes plus one prefill
 chunk of `--prefill` tokens, after warm-up.
+The hooks themselves (a few per layer) cost time that lands in the norms/RoPE row: a profiled
+step is slower than an unhooked one (`--compare-decoders` times unhooked steps).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ try:  # the plan helpers moved from the profile command into runner/calibration.
 except ImportError:
     from magnitude.cli.profile import _plan, blocks_needed  # noqa: E402
 from magnitude.engine.output import ScheduledSeq  # noqa: E402
+from magnitude.runner.paged_decoder import paged_decoder  # noqa: E402
+from magnitude.runner.quantize import Int4FusedMember  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -55,6 +62,7 @@ class Timers:
         self.total: dict[str, float] = defaultdict(float)
         self.cuda = cuda
         self._start: dict[int, float] = {}
+        self.handles: list = []
 
     def now(self) -> float:
         if self.cuda:
@@ -70,8 +78,12 @@ class Timers:
         def post(*_a, **_k):
             self.total[label] += self.now() - self._start.pop(key)
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
+        self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
 
 def _profile(runner: ModelRunner, timers: Timers, decodes: int, prefill: int, context: int, prefill_start: int,
@@ -96,13 +108,13 @@ def _profile(runner: ModelRunner, timers: Timers, decodes: int, prefill: int, co
         prepare, sample, total = prepare + st.prepare_s, sample + st.sample_s, total + st.total_s
     n = steps
     t = {k: v / n for k, v in timers.total.items()}
-    attn_all = t["attention incl. q/k/v/o projections"]
     core = t["paged attention core (cache write, gather, SDPA)"]
     rows = [
         ("paged attention core (cache write, gather, SDPA)", core),
-        ("q/k/v/o projections + RoPE", attn_all - core),
-        ("mlp", t["mlp"]),
-        ("norms, residuals, embeddings, layer glue", t["model forward (all layers)"] - attn_all - t["mlp"]),
+        ("q/k/v/o projections", t["attention projections"]),
+        ("MLP projections", t["MLP projections"]),
+        ("norms, RoPE, activation, residuals, embeddings",
+         t["decoder forward"] - core - t["attention projections"] - t["MLP projections"]),
         ("lm head (sampled rows only)", t["lm head"]),
         ("sampling", sample / n),
         ("step preparation (index tensors)", prepare / n),
@@ -134,30 +146,55 @@ def _hf_generate_ms_per_token(runner: ModelRunner, new_tokens: int) -> tuple[flo
 
 def compare(variants: list[str], batches: list[int], contexts: list[int], steps: int, threads: int | None,
             prefills: list[int]) -> None:
-    import statistics
-
     runners = {}
     for v in variants:
         dtype, _, quantization = v.partition(":")
         runners[v] = ModelRunner(dtype=dtype, quantization=quantization or "none", num_threads=threads,
                                  evaluate_quantization=False,
                                  num_blocks=blocks_needed([max(batches)], [max([1, *prefills])], max(contexts), 16))
+    _interleaved({v: r.execute for v, r in runners.items()}, batches, contexts, steps, prefills)
+
+
+def compare_decoders(dtype: str | None, quantization: str | None, batches: list[int], contexts: list[int], steps: int,
+                     threads: int | None, prefills: list[int]) -> None:
+    """One runner, its steps through transformers' forward and through the lean forward in turn."""
+    runner = ModelRunner(dtype=dtype, quantization=quantization, num_threads=threads, evaluate_quantization=False,
+                         num_blocks=blocks_needed([max(batches)], [max([1, *prefills])], max(contexts), 16))
+    inner = runner.model.model
+    forwards = {"transformers": lambda ids, pos, batch: inner(input_ids=ids, position_ids=pos, use_cache=False,
+                                                              magnitude_batch=batch).last_hidden_state[0],
+                "lean (paged_decoder)": paged_decoder(inner)}
+
+    def through(forward):
+        def execute(plan):
+            runner._decoder = forward
+            return runner.execute(plan)
+        return execute
+
+    print(f"dtype {runner.dtype}, quantization {runner.quantization}")
+    _interleaved({k: through(f) for k, f in forwards.items()}, batches, contexts, steps, prefills)
+
+
+def _interleaved(variants: dict, batches: list[int], contexts: list[int], steps: int, prefills: list[int]) -> None:
+    """Each cell's steps run one of each variant in turn, so a shared host's noise falls on all alike."""
+    import statistics
+
     print(f"interleaved decode steps, median of {steps}; threads {torch.get_num_threads()}, "
-          f"ISA {torch.backends.cpu.get_cpu_capability()}; ms wall / ms process CPU (ratio to {variants[0]})")
+          f"ISA {torch.backends.cpu.get_cpu_capability()}; ms wall / ms process CPU (ratio to {next(iter(variants))})")
     print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{v:>30}" for v in variants))
     cells = [(b, c, 0) for c in contexts for b in batches] + [(0, 0, n) for n in prefills]
     for b, c, n in cells:
         plan = _plan(b, n, c, 16, 0)
         times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
         for i in range(steps + 2):
-            for v, r in runners.items():
+            for v, execute in variants.items():
                 t0, c0 = time.perf_counter(), time.process_time()
-                r.execute(plan)
+                execute(plan)
                 if i >= 2:  # the first two warm up
                     times[v].append((time.perf_counter() - t0, time.process_time() - c0))
         med = {v: (statistics.median(x[0] for x in t) * 1000, statistics.median(x[1] for x in t) * 1000)
                for v, t in times.items()}
-        base = med[variants[0]]
+        base = next(iter(med.values()))
         label = f"{b:5d} {c:5d} " if not n else f"{'prefill ' + str(n):>11} "
         print(label + " ".join(
             f"{m[0]:7.1f}/{m[1]:6.1f} ({m[0] / base[0]:4.2f}/{m[1] / base[1]:4.2f})".rjust(30) for m in med.values()),
@@ -209,11 +246,18 @@ def main() -> int:
     p.add_argument("--prefills", default="", help="--compare: also lone prefill chunks of these lengths")
     p.add_argument("--compare", default=None, metavar="DTYPE:QUANT,...",
                    help="interleaved decode steps of several variants (see above)")
+    p.add_argument("--compare-decoders", action="store_true",
+                   help="one runner (--dtype, --quantization): transformers' forward against the lean one, interleaved")
     p.add_argument("--memory", action="store_true", help="where the loaded runner's resident memory is")
     args = p.parse_args()
     if args.memory:
         memory_report(ModelRunner(dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
                                   evaluate_quantization=False, num_blocks=64))
+        return 0
+    if args.compare_decoders:
+        compare_decoders(args.dtype, args.quantization, [int(b) for b in args.batches.split(",")],
+                         [int(c) for c in args.contexts.split(",")], args.steps, args.threads,
+                         [int(n) for n in args.prefills.split(",") if n])
         return 0
     if args.compare:
         compare(args.compare.split(","), [int(b) for b in args.batches.split(",")],
@@ -228,11 +272,25 @@ def main() -> int:
                          num_blocks=blocks_needed([max(batches)], [max(prefill, 1) + args.prefill_start],
                                                   max(contexts), 16))
     timers = Timers(runner.device.type == "cuda")
+    # Leaf projections (a fused w4a16 group's product once, not its members' slices) and the whole
+    # decoder call: hooks on self_attn or mlp would not fire under the lean forward, which calls
+    # their projections but not the modules themselves.
     for layer in runner.model.model.layers:
-        timers.hook(layer.self_attn, "attention incl. q/k/v/o projections")
-        timers.hook(layer.mlp, "mlp")
-    timers.hook(runner.model.model, "model forward (all layers)")
+        for part, label in ((layer.self_attn, "attention projections"), (layer.mlp, "MLP projections")):
+            for m in part.modules():
+                if hasattr(m, "in_features") and not isinstance(m, Int4FusedMember):
+                    timers.hook(m, label)
     timers.hook(runner.model.lm_head, "lm head")
+    decoder = runner._decoder
+
+    def timed_decoder(*a):
+        t0 = timers.now()
+        try:
+            return decoder(*a)
+        finally:
+            timers.total["decoder forward"] += timers.now() - t0
+
+    runner._decoder = timed_decoder
 
     inner = paged.paged_attention_forward
 
@@ -256,13 +314,14 @@ def main() -> int:
         print(f"  {rows[-1][0]:50} {rows[-1][1] * 1000:8.1f} ms")
     else:
         print(f"decode-only steps, ms (mean of {args.steps}); {what}")
-        short = ["attn core", "qkvo+rope", "mlp", "glue", "lm head", "sampling", "prepare", "other", "cpu"]
+        short = ["attn core", "qkvo", "mlp", "glue", "lm head", "sampling", "prepare", "other", "cpu"]
         print(f"{'batch':>5} {'ctx':>5} {'step':>7} " + " ".join(f"{h:>9}" for h in short))
         for c in contexts:
             for b in batches:
                 mean, rows = _profile(runner, timers, b, 0, c, 0, args.steps)
                 print(f"{b:5d} {c:5d} {mean * 1000:7.1f} " + " ".join(f"{v * 1000:9.2f}" for _, v in rows))
     if args.hf_generate:
+        timers.remove()  # generate's own time, without the split's hooks
         paged.AttentionInterface.register(paged.ATTN_IMPLEMENTATION, inner)
         wall, cpu = _hf_generate_ms_per_token(runner, args.hf_generate)
         print(f"HF generate, one stream, {args.hf_generate} greedy tokens on the same weights: "

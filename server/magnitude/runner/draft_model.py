@@ -42,6 +42,7 @@ from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
 from magnitude.runner.attention import SeqSlice, build_paged_batch
 from magnitude.runner.kv_pool import KVShape, PagedKVPool
+from magnitude.runner.paged_decoder import paged_decoder
 from magnitude.runner.sampling import draw, filter_logits, seeded_uniforms
 
 log = logging.getLogger("magnitude.runner.draft")
@@ -163,6 +164,7 @@ class DraftModelProposer:
     def __init__(self, parts: DraftParts, vocab_size: int, block_size: int, num_blocks: int, num_swap_blocks: int,
                  device: torch.device, kv_dtype: torch.dtype, seed: int | None = None) -> None:
         self.parts = parts
+        self._decoder = paged_decoder(parts.decoder)
         self.name = parts.name
         self.vocab_size = vocab_size  # the target's: draft ids at or above it are never drafted
         self.block_size = block_size
@@ -259,8 +261,7 @@ class DraftModelProposer:
         batch = build_paged_batch(slices, self.block_size, self.pool.k_layers, self.pool.v_layers, self.device)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        return self.parts.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                  magnitude_batch=batch).last_hidden_state[0]
+        return self._decoder(input_ids, position_ids, batch)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.parts.head()(hidden)

@@ -277,7 +277,7 @@ class Int4WeightOnlyLinear(nn.Module):
 FUSED_INPUT_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class _Int4Group:
+class Int4Group:
     """One fused int4 product for linears that share their input; the first member called with a
     new input computes all of them, the others take their slice. Holding the last input makes the
     identity check safe (the tensor cannot be freed and its id reused while held)."""
@@ -299,17 +299,17 @@ class Int4FusedMember(nn.Module):
     """A linear of a fused w4a16 group: its slice of the group's product. The fused weights are a
     submodule of the first member only, so they are counted once."""
 
-    def __init__(self, group: _Int4Group, index: int, out_features: int) -> None:
+    def __init__(self, group: Int4Group, index: int, out_features: int) -> None:
         super().__init__()
         if index == 0:
             self.fused = group.fused
-        self._group = group
+        self.fused_group = group
         self.index = index
         self.in_features = group.fused.in_features
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._group.output(x, self.index)
+        return self.fused_group.output(x, self.index)
 
     def extra_repr(self) -> str:
         return f"member {self.index} of a fused w4a16 product, out_features={self.out_features}"
@@ -325,7 +325,7 @@ def _fuse_int4(parent: nn.Module, names: tuple[str, ...], members: list[nn.Linea
         stacked.bias = nn.Parameter(torch.cat([m.bias.detach() if m.bias is not None else
                                                torch.zeros(m.out_features, dtype=m.weight.dtype) for m in members]),
                                     requires_grad=False)
-    group = _Int4Group(Int4WeightOnlyLinear(stacked), [m.out_features for m in members])
+    group = Int4Group(Int4WeightOnlyLinear(stacked), [m.out_features for m in members])
     for i, (name, m) in enumerate(zip(names, members)):
         setattr(parent, name, Int4FusedMember(group, i, m.out_features))
 

@@ -36,6 +36,7 @@ from magnitude.runner.constraints import advance_constraint, advance_through_dra
 from magnitude.runner.draft_model import DraftModelProposer, kv_shape, load_draft
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
+from magnitude.runner.paged_decoder import paged_decoder
 from magnitude.runner.quantize import CALIBRATION_TEXT, check_quantization, quantize_linears
 from magnitude.runner.sampling import History, Sampler
 
@@ -124,6 +125,7 @@ class ModelRunner:
         self.quantization = check_quantization(quantization, pick_device(device))  # before a long load
         loaded = load_model(source, device, dtype, attn_implementation=ATTN_IMPLEMENTATION, progress=report)
         self.model = loaded.model
+        self._decoder = paged_decoder(self.model.model)
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -289,9 +291,7 @@ class ModelRunner:
 
     def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: Any) -> torch.Tensor:
         """The decoder's last hidden state for every row of the flattened step ([T, hidden])."""
-        return self.model.model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, magnitude_batch=batch
-        ).last_hidden_state[0]
+        return self._decoder(input_ids, position_ids, batch)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the given rows, with the model's final soft-capping (Gemma 2) when it has one:

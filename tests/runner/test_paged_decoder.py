@@ -1,0 +1,121 @@
+"""The runner's lean Llama forward (runner/paged_decoder.py) against transformers' own forward on
+the same model object and the same paged batch: the hidden states must be equal bit for bit, for
+every weight format the runner serves, on a step that mixes decodes at several contexts, a chunk
+deep in a prompt whose blocks are scattered (the gather path) and a prompt from position 0.
+Any other architecture keeps transformers' forward."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from magnitude.runner.attention import SeqSlice, build_paged_batch  # noqa: E402
+from magnitude.runner.paged_decoder import is_plain_llama, paged_decoder  # noqa: E402
+from magnitude.runner.quant_eval import isa_description  # noqa: E402
+
+from .tiny_models import ARCHS, VOCAB, build_tiny_model  # noqa: E402
+
+BLOCK = 16
+# (block table, tokens already in the cache, tokens this step): decodes at contexts 5 and 40, a
+# 23-token chunk at position 150 over scattered blocks, a fresh 9-token prompt: three attention
+# groups (the chunk's context is too long to share the prompt's bucket).
+SEQS = [([0], 5, 1), ([1, 2, 4], 40, 1), ([10, 3, 12, 5, 14, 7, 16, 6, 18, 11, 22], 150, 23), ([20], 0, 9)]
+
+
+def _transformers_forward(runner, ids, pos, batch):
+    return runner.model.model(input_ids=ids, position_ids=pos, use_cache=False,
+                              magnitude_batch=batch).last_hidden_state[0]
+
+
+def _step(runner, seqs, new: bool, gen: torch.Generator):
+    """Input ids, positions and paged batch for `seqs`: their cached prefixes (new=False) or the
+    step on top of them (new=True)."""
+    slices, ids, pos, offset = [], [], [], 0
+    for table, cached, n in seqs:
+        start, count = (cached, n) if new else (0, cached)
+        if not count:
+            continue
+        slices.append(SeqSlice(offset, count, start, table))
+        ids += torch.randint(4, VOCAB, (count,), generator=gen).tolist()
+        pos += list(range(start, start + count))
+        offset += count
+    batch = build_paged_batch(slices, BLOCK, runner.kv.k_layers, runner.kv.v_layers, runner.device)
+    return torch.tensor([ids]), torch.tensor([pos]), batch
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("dtype,quantization", [("float32", "none"), ("float32", "w4a16"), ("float32", "w8a16"),
+                                                ("float32", "w8a8"), ("bfloat16", "none")])
+def test_lean_forward_is_bit_identical_to_transformers(tiny_llama, dtype, quantization):
+    from magnitude.runner import ModelRunner
+
+    runner = ModelRunner(str(tiny_llama), device="cpu", dtype=dtype, block_size=BLOCK, num_blocks=32, seed=0,
+                         num_threads=1, quantization=quantization, evaluate_quantization=False, warmup=False)
+    lean = paged_decoder(runner.model.model)
+    assert lean.__name__ == "<lambda>" and is_plain_llama(runner.model.model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        _transformers_forward(runner, *_step(runner, SEQS, False, gen))  # the prefixes into the cache
+        step = _step(runner, SEQS, True, gen)
+        reference = _transformers_forward(runner, *step).clone()
+        got = lean(*step)
+    print(f"\n{dtype} {quantization}: {len(step[2].groups)} attention groups on {isa_description()}")
+    assert len(step[2].groups) >= 3 and got.shape == reference.shape
+    assert torch.equal(got, reference), (got - reference).abs().max()
+
+
+@pytest.mark.model
+def test_the_real_models_step_is_bit_identical(runner):
+    """SmolLM2 (fp32, the session's runner): the same mixed step through both forwards."""
+    lean = paged_decoder(runner.model.model)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [([60 + b for b in table], cached, n) for table, cached, n in SEQS]
+    with torch.inference_mode():
+        _transformers_forward(runner, *_step(runner, seqs, False, gen))
+        step = _step(runner, seqs, True, gen)
+        reference = _transformers_forward(runner, *step).clone()
+        assert torch.equal(lean(*step), reference)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_other_architectures_keep_transformers_forward(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from .tiny_models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config(arch))
+    assert not is_plain_llama(model.model)
+    assert paged_decoder(model.model).__name__ == "transformers_forward"
+
+
+def test_a_subclassed_llama_layer_is_not_taken_for_a_plain_one():
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    from magnitude.runner.attention import ATTN_IMPLEMENTATION
+
+    from .tiny_models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=ATTN_IMPLEMENTATION)
+    assert is_plain_llama(model.model)
+
+    class Patched(modeling_llama.LlamaMLP):
+        pass
+
+    model.model.layers[1].mlp.__class__ = Patched
+    assert not is_plain_llama(model.model)
+
+
+def test_a_llama_set_to_another_attention_keeps_transformers_forward():
+    from transformers import AutoModelForCausalLM
+
+    from .tiny_models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    assert not is_plain_llama(model.model)
