@@ -1,10 +1,12 @@
 """How the runner runs a decoder over one step's paged batch: `paged_decoder(inner)` returns the
 function (input_ids [1, T], position_ids [1, T], PagedBatch) -> last hidden state [T, hidden].
 
-For transformers' Llama classes (SmolLM2, Llama 2/3, and every checkpoint that loads as them) it is
-a lean forward: the same modules and the same tensor operations in the same order as transformers'
-own forward, so its output is the same bit for bit (tests/runner/test_paged_decoder.py checks it on
-the CPU for fp32, bf16, w4a16, w8a16 and w8a8), without the per-call framework work around them
+For transformers' Llama, Mistral and Qwen2 classes (SmolLM2, Llama 2/3, Mistral 7B, Qwen2/2.5, and
+every checkpoint that loads as them; the three differ only in the sliding window each layer hands
+the attention) it is a lean forward: the same modules and the same tensor operations in the same
+order as transformers' own forward, so its output is the same bit for bit
+(tests/runner/test_paged_decoder.py checks it on the CPU for fp32, bf16, w4a16, w8a16 and w8a8, and
+for each family, windows included), without the per-call framework work around them
 (decorators, output capture, keyword plumbing, module calls for layers, attention, MLP and norms).
 At one decode per step that work was about a seventh of the step (`bench/step_profile.py
 --compare-decoders`). Two reorderings stay exact: RoPE's rotate-half is a roll times a sign-folded
@@ -16,17 +18,21 @@ Because the layers, attention, MLP and norm modules are not called as modules, f
 them do not fire here (the projections are still module calls). Nothing in the engine hooks them;
 code that does (quantization's calibration pass) calls the model itself.
 
-Any other architecture, a Llama whose modules are not transformers' own classes, or one set to
-another attention implementation runs through transformers' forward."""
+Any other architecture (Gemma's scaled embeddings and soft-capping, Qwen3's q/k norms, Phi-3's
+fused projections live in their own forwards), a model whose modules are not exactly those classes,
+or one set to another attention implementation runs through transformers' forward."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama as llama
+from transformers.models.mistral import modeling_mistral as mistral
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, PagedBatch
 from magnitude.runner.quantize import Int4FusedMember, Int4Group
@@ -34,10 +40,36 @@ from magnitude.runner.quantize import Int4FusedMember, Int4Group
 DecoderFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class _Family:
+    """transformers' classes of one Llama-shaped family, and the sliding window each layer passes to
+    the attention function (Mistral's from the config, Qwen2's per layer type, Llama none)."""
+
+    model: type
+    layer: type
+    attention: type
+    mlp: type
+    norm: type
+    rotary: type
+    window: Callable[[nn.Module], int | None]
+
+
+FAMILIES = (
+    _Family(llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP, llama.LlamaRMSNorm,
+            llama.LlamaRotaryEmbedding, lambda attn: None),
+    _Family(mistral.MistralModel, mistral.MistralDecoderLayer, mistral.MistralAttention, mistral.MistralMLP,
+            mistral.MistralRMSNorm, mistral.MistralRotaryEmbedding,
+            lambda attn: getattr(attn.config, "sliding_window", None)),
+    _Family(qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP, qwen2.Qwen2RMSNorm,
+            qwen2.Qwen2RotaryEmbedding, lambda attn: attn.sliding_window),
+)
+
+
 def paged_decoder(inner: nn.Module) -> DecoderFn:
-    """The forward for `inner` (a causal LM's `.model`): lean for transformers' Llama, its own otherwise."""
-    if is_plain_llama(inner):
-        return lambda input_ids, position_ids, batch: llama_forward(inner, input_ids, position_ids, batch)
+    """The forward for `inner` (a causal LM's `.model`): lean for a Llama-shaped family, its own otherwise."""
+    family = lean_family(inner)
+    if family is not None:
+        return lambda input_ids, position_ids, batch: lean_forward(inner, family, input_ids, position_ids, batch)
 
     def transformers_forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         return inner(input_ids=input_ids, position_ids=position_ids, use_cache=False,
@@ -46,26 +78,27 @@ def paged_decoder(inner: nn.Module) -> DecoderFn:
     return transformers_forward
 
 
-def is_plain_llama(inner: nn.Module) -> bool:
-    """True when every module the lean forward stands in for is transformers' Llama class itself
-    (a subclass may change any step, so it is not taken for one) and the model attends through the
-    paged attention (the lean forward calls it whatever the config says)."""
-    if type(inner) is not llama.LlamaModel or type(inner.embed_tokens) is not nn.Embedding:
-        return False
+def lean_family(inner: nn.Module) -> _Family | None:
+    """The family whose classes every module the lean forward stands in for is exactly (a subclass
+    may change any step, so it is not taken for one), when the model attends through the paged
+    attention (the lean forward calls it whatever the config says); None otherwise."""
+    family = next((f for f in FAMILIES if type(inner) is f.model), None)
+    if family is None or type(inner.embed_tokens) is not nn.Embedding:
+        return None
     if getattr(inner.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        return False
-    if type(inner.norm) is not llama.LlamaRMSNorm or type(inner.rotary_emb) is not llama.LlamaRotaryEmbedding:
-        return False
-    return all(
-        type(layer) is llama.LlamaDecoderLayer and type(layer.self_attn) is llama.LlamaAttention
-        and type(layer.mlp) is llama.LlamaMLP and type(layer.input_layernorm) is llama.LlamaRMSNorm
-        and type(layer.post_attention_layernorm) is llama.LlamaRMSNorm
+        return None
+    if type(inner.norm) is not family.norm or type(inner.rotary_emb) is not family.rotary:
+        return None
+    plain = all(
+        type(layer) is family.layer and type(layer.self_attn) is family.attention and type(layer.mlp) is family.mlp
+        and type(layer.input_layernorm) is family.norm and type(layer.post_attention_layernorm) is family.norm
         for layer in inner.layers
     )
+    return family if plain else None
 
 
 def _rms_norm(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """LlamaRMSNorm.forward, operation for operation."""
+    """LlamaRMSNorm.forward (Mistral's and Qwen2's are the same), operation for operation."""
     dtype = h.dtype
     x = h.to(torch.float32)
     variance = x.pow(2).mean(-1, keepdim=True)
@@ -88,10 +121,10 @@ def _fused_group(*members: nn.Module) -> Int4Group | None:
     return group if ok else None
 
 
-def llama_forward(inner: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                  batch: PagedBatch) -> torch.Tensor:
-    """LlamaModel.forward over the paged batch (no cache object, no mask: the paged attention
-    builds its own), returning the final-norm hidden state of every row, [T, hidden]."""
+def lean_forward(inner: nn.Module, family: _Family, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 batch: PagedBatch) -> torch.Tensor:
+    """The family's Model.forward over the paged batch (no cache object, no masks: the paged
+    attention builds its own), returning the final-norm hidden state of every row, [T, hidden]."""
     attend = ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]  # looked up per call, as transformers does: profilers wrap it
     h = inner.embed_tokens(input_ids)[0]  # [T, hidden], a fresh tensor: the residual is added in place
     cos, sin = inner.rotary_emb(h, position_ids=position_ids)
@@ -115,7 +148,7 @@ def llama_forward(inner: nn.Module, input_ids: torch.Tensor, position_ids: torch
             k = _rotate(attn.k_proj(x).view(tokens, -1, head_dim), cos, sin_signed, half)
             v = attn.v_proj(x).view(tokens, -1, head_dim)
         out, _ = attend(attn, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
-                        dropout=0.0, scaling=attn.scaling, magnitude_batch=batch)
+                        dropout=0.0, scaling=attn.scaling, sliding_window=family.window(attn), magnitude_batch=batch)
         h += attn.o_proj(out.reshape(tokens, -1))
         x = _rms_norm(layer.post_attention_layernorm, h)
         mlp = layer.mlp
