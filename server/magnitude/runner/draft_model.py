@@ -164,7 +164,7 @@ class DraftModelProposer:
     def __init__(self, parts: DraftParts, vocab_size: int, block_size: int, num_blocks: int, num_swap_blocks: int,
                  device: torch.device, kv_dtype: torch.dtype, seed: int | None = None) -> None:
         self.parts = parts
-        self._decoder = paged_decoder(parts.decoder)
+        self._decoder_for: tuple[torch.nn.Module, Any] | None = None  # (parts.decoder, its paged forward)
         self.name = parts.name
         self.vocab_size = vocab_size  # the target's: draft ids at or above it are never drafted
         self.block_size = block_size
@@ -261,7 +261,14 @@ class DraftModelProposer:
         batch = build_paged_batch(slices, self.block_size, self.pool.k_layers, self.pool.v_layers, self.device)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        return self._decoder(input_ids, position_ids, batch)
+        return self._paged_decoder()(input_ids, position_ids, batch)
+
+    def _paged_decoder(self) -> Any:
+        """The forward for `parts.decoder` as it is now: `parts` stays the one description of the
+        draft, so replacing its decoder (a test breaking the draft mid-serving) takes effect."""
+        if self._decoder_for is None or self._decoder_for[0] is not self.parts.decoder:
+            self._decoder_for = (self.parts.decoder, paged_decoder(self.parts.decoder))
+        return self._decoder_for[1]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.parts.head()(hidden)
