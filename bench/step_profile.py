@@ -51,7 +51,7 @@ try:  # the plan helpers moved from the profile command into runner/calibration.
 except ImportError:
     from magnitude.cli.profile import _plan, blocks_needed  # noqa: E402
 from magnitude.engine.output import ScheduledSeq  # noqa: E402
-from magnitude.runner.paged_decoder import paged_decoder  # noqa: E402
+from magnitude.runner.paged_decoder import paged_decoder, transformers_decoder  # noqa: E402
 from magnitude.runner.quantize import Int4FusedMember  # noqa: E402
 
 import torch  # noqa: E402
@@ -161,9 +161,7 @@ def compare_decoders(dtype: str | None, quantization: str | None, batches: list[
     runner = ModelRunner(dtype=dtype, quantization=quantization, num_threads=threads, evaluate_quantization=False,
                          num_blocks=blocks_needed([max(batches)], [max([1, *prefills])], max(contexts), 16))
     inner = runner.model.model
-    forwards = {"transformers": lambda ids, pos, batch: inner(input_ids=ids, position_ids=pos, use_cache=False,
-                                                              magnitude_batch=batch).last_hidden_state[0],
-                "lean (paged_decoder)": paged_decoder(inner)}
+    forwards = {"transformers": transformers_decoder(inner), "lean (paged_decoder)": paged_decoder(inner)}
 
     def through(forward):
         def execute(plan):

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from magnitude.runner.attention import SeqSlice, build_paged_batch  # noqa: E402
-from magnitude.runner.paged_decoder import lean_family, paged_decoder  # noqa: E402
+from magnitude.runner.paged_decoder import lean_family, paged_decoder, transformers_decoder  # noqa: E402
 from magnitude.runner.quant_eval import isa_description  # noqa: E402
 
 from .tiny_models import ARCHS, VOCAB, build_tiny_model  # noqa: E402
@@ -22,11 +22,6 @@ BLOCK = 16
 # 23-token chunk at position 150 over scattered blocks, a fresh 9-token prompt: three attention
 # groups (the chunk's context is too long to share the prompt's bucket).
 SEQS = [([0], 5, 1), ([1, 2, 4], 40, 1), ([10, 3, 12, 5, 14, 7, 16, 6, 18, 11, 22], 150, 23), ([20], 0, 9)]
-
-
-def _transformers_forward(runner, ids, pos, batch):
-    return runner.model.model(input_ids=ids, position_ids=pos, use_cache=False,
-                              magnitude_batch=batch).last_hidden_state[0]
 
 
 def _step(runner, seqs, new: bool, gen: torch.Generator):
@@ -64,11 +59,12 @@ def _compare(runner, seed: int = 0, seqs=SEQS) -> tuple[torch.Tensor, torch.Tens
     """(lean, transformers) hidden states of the same mixed step, and its attention group count."""
     lean = paged_decoder(runner.model.model)
     assert lean.__name__ == "<lambda>" and lean_family(runner.model.model) is not None
+    reference_forward = transformers_decoder(runner.model.model)
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
-        _transformers_forward(runner, *_step(runner, seqs, False, gen))  # the prefixes into the cache
+        reference_forward(*_step(runner, seqs, False, gen))  # the prefixes into the cache
         step = _step(runner, seqs, True, gen)
-        reference = _transformers_forward(runner, *step).clone()
+        reference = reference_forward(*step).clone()
         return lean(*step), reference, len(step[2].groups)
 
 

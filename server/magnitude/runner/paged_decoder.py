@@ -70,6 +70,11 @@ def paged_decoder(inner: nn.Module) -> DecoderFn:
     family = lean_family(inner)
     if family is not None:
         return lambda input_ids, position_ids, batch: lean_forward(inner, family, input_ids, position_ids, batch)
+    return transformers_decoder(inner)
+
+
+def transformers_decoder(inner: nn.Module) -> DecoderFn:
+    """transformers' own forward of `inner` over the paged batch (also the lean forward's reference)."""
 
     def transformers_forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         return inner(input_ids=input_ids, position_ids=position_ids, use_cache=False,
