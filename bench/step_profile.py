@@ -5,13 +5,15 @@ step preparation and the rest (Python/framework overhead, norms, RoPE, embedding
         [--prefill-start 0] [--dtype T] [--quantization Q]
     .venv/bin/python bench/step_profile.py --sweep [--batches 1,2,4,8] [--contexts 100,1000] [--hf-generate 129]
 
-`--compare float32:none,float32:w4a16,bfloat16:none` loads one runner per dtype:quantization and
+`--compare float32:none,float32:w4a16,bfloat16:none` loads one runner per dtype:quantization (a third
+field picks the low-bit kernels, `float32:w4a16:torch`; runner/lowbit.py) and
 runs their decode steps (every --batches x --contexts; and lone prefill chunks of --prefills tokens) interleaved, one step of each in turn, so a
 shared host's noise falls on all of them alike; prints median wall and process-CPU ms per step
 and the ratio to the first variant.
 
 `--compare-decoders` loads one runner (--dtype, --quantization) and runs the same cells through
-transformers' forward and through the runner's lean forward (runner/paged_decoder.py), interleaved.
+transformers' forward, the runner's lean forward (runner/paged_decoder.py) and, for a w4a16 model on
+Magnitude's kernels, the fused decode step (runner/fused_decode.py), interleaved.
 
 `--memory` loads the runner (--dtype, --quantization) and prints where its resident memory is:
 live tensor bytes by kind (distinct storages) against the process's anonymous and file-backed RSS.
@@ -36,6 +38,7 @@ step is slower than an unhooked one (`--compare-decoders` times unhooked steps).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import defaultdict
@@ -51,7 +54,8 @@ try:  # the plan helpers moved from the profile command into runner/calibration.
 except ImportError:
     from magnitude.cli.profile import _plan, blocks_needed  # noqa: E402
 from magnitude.engine.output import ScheduledSeq  # noqa: E402
-from magnitude.runner.paged_decoder import paged_decoder, transformers_decoder  # noqa: E402
+from magnitude.runner.fused_decode import fused_decoder  # noqa: E402
+from magnitude.runner.paged_decoder import _rms_norm, lean_family, lean_forward, paged_decoder, transformers_decoder  # noqa: E402
 from magnitude.runner.quantize import Int4FusedMember  # noqa: E402
 
 import torch  # noqa: E402
@@ -86,17 +90,23 @@ class Timers:
         self.handles.clear()
 
 
-def _profile(runner: ModelRunner, timers: Timers, decodes: int, prefill: int, context: int, prefill_start: int,
-             steps: int) -> tuple[float, list[tuple[str, float]]]:
-    """Mean step seconds and its split for `decodes` decodes at `context` plus one `prefill` chunk."""
-    plan = _plan(decodes, prefill, context, runner.block_size, 0)
+def _step_plan(decodes: int, prefill: int, context: int, prefill_start: int, block_size: int):
+    """`decodes` decodes at `context` plus one `prefill`-token chunk at positions prefill_start.."""
+    plan = _plan(decodes, prefill, context, block_size, 0)
     if prefill and prefill_start:
         # The same chunk, deep in its prompt: its block table covers the earlier positions too.
         chunk = plan.seqs[-1]
         base = chunk.block_table[0]
         end = prefill_start + prefill
         plan.seqs[-1] = ScheduledSeq(chunk.request_id, chunk.token_ids, prefill_start,
-                                     list(range(base, base + -(-end // runner.block_size))), True, chunk.sampling)
+                                     list(range(base, base + -(-end // block_size))), True, chunk.sampling)
+    return plan
+
+
+def _profile(runner: ModelRunner, timers: Timers, decodes: int, prefill: int, context: int, prefill_start: int,
+             steps: int) -> tuple[float, list[tuple[str, float]]]:
+    """Mean step seconds and its split for `decodes` decodes at `context` plus one `prefill` chunk."""
+    plan = _step_plan(decodes, prefill, context, prefill_start, runner.block_size)
     for _ in range(2):
         runner.execute(plan)
     timers.total.clear()
@@ -145,23 +155,43 @@ def _hf_generate_ms_per_token(runner: ModelRunner, new_tokens: int) -> tuple[flo
 
 
 def compare(variants: list[str], batches: list[int], contexts: list[int], steps: int, threads: int | None,
-            prefills: list[int]) -> None:
+            prefills: list[tuple[int, int]]) -> None:
+    from magnitude.runner import lowbit
+
     runners = {}
     for v in variants:
-        dtype, _, quantization = v.partition(":")
-        runners[v] = ModelRunner(dtype=dtype, quantization=quantization or "none", num_threads=threads,
-                                 evaluate_quantization=False,
-                                 num_blocks=blocks_needed([max(batches)], [max([1, *prefills])], max(contexts), 16))
+        dtype, _, rest = v.partition(":")
+        quantization, _, kernel = rest.partition(":")
+        previous = os.environ.get(lowbit.KERNEL_ENV)
+        if kernel:  # the low-bit kernels are chosen as the model's linears are built
+            os.environ[lowbit.KERNEL_ENV] = kernel
+        try:
+            runners[v] = ModelRunner(dtype=dtype, quantization=quantization or "none", num_threads=threads,
+                                     evaluate_quantization=False,
+                                     num_blocks=blocks_needed([max(batches)], [max([1, *(n + start for n, start in prefills)])], max(contexts), 16))
+        finally:
+            if previous is None:
+                os.environ.pop(lowbit.KERNEL_ENV, None)
+            else:
+                os.environ[lowbit.KERNEL_ENV] = previous
     _interleaved({v: r.execute for v, r in runners.items()}, batches, contexts, steps, prefills)
 
 
 def compare_decoders(dtype: str | None, quantization: str | None, batches: list[int], contexts: list[int], steps: int,
-                     threads: int | None, prefills: list[int]) -> None:
-    """One runner, its steps through transformers' forward and through the lean forward in turn."""
+                     threads: int | None, prefills: list[tuple[int, int]]) -> None:
+    """One runner, its steps through transformers' forward, the lean forward and (for a model it
+    runs) the fused decode step in turn."""
     runner = ModelRunner(dtype=dtype, quantization=quantization, num_threads=threads, evaluate_quantization=False,
-                         num_blocks=blocks_needed([max(batches)], [max([1, *prefills])], max(contexts), 16))
+                         num_blocks=blocks_needed([max(batches)], [max([1, *(n + start for n, start in prefills)])], max(contexts), 16))
     inner = runner.model.model
-    forwards = {"transformers": transformers_decoder(inner), "lean (paged_decoder)": paged_decoder(inner)}
+    forwards = {"transformers": transformers_decoder(inner)}
+    family = lean_family(inner)
+    if family is not None:
+        forwards["lean"] = lambda ids, pos, batch: lean_forward(inner, family, ids, pos, batch)
+        every = fused_decoder(inner, family.window, choose=lambda batch: True)
+        if every is not None:
+            forwards["fused (every step)"] = lambda ids, pos, batch: _rms_norm(inner.norm, every(ids, pos, batch))
+            forwards["as served (runs_fused)"] = paged_decoder(inner)
 
     def through(forward):
         def execute(plan):
@@ -173,16 +203,17 @@ def compare_decoders(dtype: str | None, quantization: str | None, batches: list[
     _interleaved({k: through(f) for k, f in forwards.items()}, batches, contexts, steps, prefills)
 
 
-def _interleaved(variants: dict, batches: list[int], contexts: list[int], steps: int, prefills: list[int]) -> None:
+def _interleaved(variants: dict, batches: list[int], contexts: list[int], steps: int,
+                 prefills: list[tuple[int, int]]) -> None:
     """Each cell's steps run one of each variant in turn, so a shared host's noise falls on all alike."""
     import statistics
 
     print(f"interleaved decode steps, median of {steps}; threads {torch.get_num_threads()}, "
           f"ISA {torch.backends.cpu.get_cpu_capability()}; ms wall / ms process CPU (ratio to {next(iter(variants))})")
     print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{v:>30}" for v in variants))
-    cells = [(b, c, 0) for c in contexts for b in batches] + [(0, 0, n) for n in prefills]
-    for b, c, n in cells:
-        plan = _plan(b, n, c, 16, 0)
+    cells = [(b, c, 0, 0) for c in contexts for b in batches] + [(0, 0, n, start) for n, start in prefills]
+    for b, c, n, start in cells:
+        plan = _step_plan(b, n, c, start, 16)
         times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
         for i in range(steps + 2):
             for v, execute in variants.items():
@@ -193,7 +224,7 @@ def _interleaved(variants: dict, batches: list[int], contexts: list[int], steps:
         med = {v: (statistics.median(x[0] for x in t) * 1000, statistics.median(x[1] for x in t) * 1000)
                for v, t in times.items()}
         base = next(iter(med.values()))
-        label = f"{b:5d} {c:5d} " if not n else f"{'prefill ' + str(n):>11} "
+        label = f"{b:5d} {c:5d} " if not n else f"{'prefill ' + str(n) + ('@' + str(start) if start else ''):>11} "
         print(label + " ".join(
             f"{m[0]:7.1f}/{m[1]:6.1f} ({m[0] / base[0]:4.2f}/{m[1] / base[1]:4.2f})".rjust(30) for m in med.values()),
             flush=True)
@@ -225,6 +256,15 @@ def memory_report(runner: ModelRunner) -> None:
           + "; process " + ", ".join(f"{k} {v} MiB" for k, v in status.items()))
 
 
+def _prefill_cells(spec: str) -> list[tuple[int, int]]:
+    """"64,64@1000" -> [(64, 0), (64, 1000)]: chunk lengths and their first positions."""
+    cells = []
+    for item in filter(None, spec.split(",")):
+        n, _, start = item.partition("@")
+        cells.append((int(n), int(start or 0)))
+    return cells
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=None)
@@ -241,7 +281,8 @@ def main() -> int:
     p.add_argument("--contexts", default="100,1000")
     p.add_argument("--hf-generate", type=int, default=0, metavar="N",
                    help="also time HF generate of N greedy tokens, one stream, on the same weights")
-    p.add_argument("--prefills", default="", help="--compare: also lone prefill chunks of these lengths")
+    p.add_argument("--prefills", default="",
+                   help="--compare: also lone prefill chunks of these lengths (N, or N@S for positions S..S+N)")
     p.add_argument("--compare", default=None, metavar="DTYPE:QUANT,...",
                    help="interleaved decode steps of several variants (see above)")
     p.add_argument("--compare-decoders", action="store_true",
@@ -255,12 +296,12 @@ def main() -> int:
     if args.compare_decoders:
         compare_decoders(args.dtype, args.quantization, [int(b) for b in args.batches.split(",")],
                          [int(c) for c in args.contexts.split(",")], args.steps, args.threads,
-                         [int(n) for n in args.prefills.split(",") if n])
+                         _prefill_cells(args.prefills))
         return 0
     if args.compare:
         compare(args.compare.split(","), [int(b) for b in args.batches.split(",")],
                 [int(c) for c in args.contexts.split(",")], args.steps, args.threads,
-                [int(n) for n in args.prefills.split(",") if n])
+                _prefill_cells(args.prefills))
         return 0
     batches = [int(b) for b in args.batches.split(",")] if args.sweep else [args.decodes]
     contexts = [int(c) for c in args.contexts.split(",")] if args.sweep else [args.context]

@@ -22,9 +22,9 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 # Weight formats `ModelRunner(quantization=...)` applies (runner/quantize.py); here, torch-free, for CLI
 # choices. The dtype of everything else (`--dtype`) is a separate setting.
 #   w8a8:  int8 weights and per-token int8 activations (torch._int_mm), SmoothQuant-calibrated
-#   w8a16: int8 weights, activations in the model's dtype (weight-only; torch._weight_int8pack_mm)
-#   w4a16: 4-bit weights in groups of 32 with scale + min (GGUF Q4_1's layout), bf16 activations in
-#          the kernel (torch._weight_int4pack_mm_for_cpu)
+#   w8a16: int8 weights, activations in the model's dtype (weight-only)
+#   w4a16: 4-bit weights in groups of 32 with scale + min (GGUF Q4_1's layout), int8 LM head;
+#          activations fp32 in Magnitude's kernels (runner/lowbit.py), bf16 in torch's fallback
 #   int8:  the earlier name of w8a8, still accepted so existing specs keep loading
 QUANTIZATIONS = ("none", "w8a8", "w8a16", "w4a16", "int8")
 QUANTIZATION_ALIASES = {"int8": "w8a8"}

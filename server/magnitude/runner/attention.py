@@ -75,6 +75,10 @@ class PagedBatch:
     block_size: int
     num_tokens: int
     identity_output: bool  # one group covering every row in order: no scatter needed
+    # Per row of the flattened step: its position and its sequence's block table (zero-padded to the
+    # step's widest), for code that attends row by row (runner/fused_decode.py).
+    row_positions: np.ndarray  # [T] int64
+    row_tables: np.ndarray  # [T, W] int64
 
 
 def _slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -210,6 +214,8 @@ def build_paged_batch(
         block_size=block_size,
         num_tokens=total,
         identity_output=len(groups) == 1 and groups[0].src_rows is None,
+        row_positions=new_pos,
+        row_tables=tables,
     )
 
 

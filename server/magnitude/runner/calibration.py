@@ -46,8 +46,9 @@ ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "4"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
-# 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper
+CALIBRATION_VERSION = "5"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+# 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
+# 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16
 
 ProgressFn = Callable[[float], None]
 
@@ -150,7 +151,7 @@ def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int]) -> str:
     the grid itself."""
     import torch
 
-    from magnitude.runner.quant_eval import cache_key
+    from magnitude.runner.quant_eval import cache_key, kernel_description
 
     src = getattr(runner, "model_source", None)
     device = str(runner.device)
@@ -161,6 +162,7 @@ def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int]) -> str:
         getattr(src, "source", "") or runner.model_name, getattr(src, "revision", "") or "",
         str(runner.dtype), getattr(runner, "quantization", "none") or "none", device, _cpu_model(),
         f"threads={torch.get_num_threads()}", f"block={runner.block_size}", json.dumps(grid),
+        kernel_description(getattr(runner, "quantization", "none") or "none"),
     )
 
 

@@ -35,6 +35,7 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, PagedBatch
+from magnitude.runner.fused_decode import fused_decoder
 from magnitude.runner.quantize import Int4FusedMember, Int4Group
 
 DecoderFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
@@ -66,11 +67,23 @@ FAMILIES = (
 
 
 def paged_decoder(inner: nn.Module) -> DecoderFn:
-    """The forward for `inner` (a causal LM's `.model`): lean for a Llama-shaped family, its own otherwise."""
+    """The forward for `inner` (a causal LM's `.model`): lean for a Llama-shaped family, its own
+    otherwise; a w4a16 model's decode steps (and short chunks) on Magnitude's kernels run fused
+    (fused_decode.py)."""
     family = lean_family(inner)
-    if family is not None:
+    if family is None:
+        return transformers_decoder(inner)
+    fused = fused_decoder(inner, family.window)
+    if fused is None:
         return lambda input_ids, position_ids, batch: lean_forward(inner, family, input_ids, position_ids, batch)
-    return transformers_decoder(inner)
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        h = fused(input_ids, position_ids, batch)
+        if h is None:
+            return lean_forward(inner, family, input_ids, position_ids, batch)
+        return _rms_norm(inner.norm, h)
+
+    return forward
 
 
 def transformers_decoder(inner: nn.Module) -> DecoderFn:

@@ -113,6 +113,19 @@ def isa_description() -> str:
     return f"{level} ({present or 'no SIMD flags read'})" + (f" [{' '.join(forced)}]" if forced else "")
 
 
+LOWBIT_METHODS = ("w4a16", "w8a16")
+
+
+def kernel_description(method: str) -> str:
+    """`isa_description()` plus, for the weight-only methods, which low-bit kernels they run on
+    (runner/lowbit.py: Magnitude's build for this CPU, or torch's): their numerics and speed differ."""
+    if method not in LOWBIT_METHODS:
+        return isa_description()
+    from magnitude.runner import lowbit
+
+    return f"{isa_description()} lowbit={lowbit.describe()}"
+
+
 @dataclass(slots=True)
 class Measurement:
     """What one model does on the evaluation set, through the paged runner."""
@@ -160,7 +173,7 @@ def make_record(runner: "ModelRunner", ref: Measurement, got: Measurement, metho
         probes.append(ProbeResult(probe.name, ref_text, text, probe.check(ref_text), probe.check(text)))
     return QuantizationRecord(
         method=method, dtype=str(runner.dtype).removeprefix("torch."), top1_agreement=agree, mean_kl=kl,
-        eval_tokens=int(ref.log_probs.shape[0]), probes=probes, eval_set_hash=EVAL_SET_HASH, isa=isa_description(),
+        eval_tokens=int(ref.log_probs.shape[0]), probes=probes, eval_set_hash=EVAL_SET_HASH, isa=kernel_description(method),
         torch_version=torch.__version__, seconds=time.perf_counter() - started,
         extra={"int8_kernel": int8_kernel()} if method == "w8a8" else {},
     )
@@ -173,7 +186,7 @@ def cache_key(*parts: str) -> str:
 
 
 def record_key(model_id: str, revision: str, method: str, dtype: torch.dtype) -> str:
-    return cache_key(model_id, revision, method, str(dtype), EVAL_SET_HASH)
+    return cache_key(model_id, revision, method, str(dtype), EVAL_SET_HASH, kernel_description(method))
 
 
 def load_cached(directory: Path | None, key: str) -> QuantizationRecord | None:

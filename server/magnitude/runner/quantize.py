@@ -1,18 +1,19 @@
 """Low-bit weights for the decoder's linear projections and the LM head (CPU): three methods.
 
 - `w4a16` (weight-only, 4-bit): `Int4WeightOnlyLinear` keeps 4-bit weights in groups of 32 input
-  channels with a scale and a minimum per group, the layout of GGUF's Q4_1 blocks, and multiplies
-  through `torch._weight_int4pack_mm_for_cpu` with bf16 activations (the kernel's fast path; fp32
-  activations run a scalar loop on AVX2). A weight that is the de-quantization of Q4_1 blocks (the
-  bundled GGUF's decoder linears) lies on that grid already, so its 4-bit codes are recovered
-  exactly; what w4a16 rounds is the activations, the group scales and the output to bf16. Its LM
-  head is int8 per output channel (`WeightOnlyInt8Linear` with bf16 activations), as GGUFs keep
-  the output matrix above 4 bits (Q8_0 in the bundled one).
-
+  channels with a scale and a minimum per group, the layout of GGUF's Q4_1 blocks. A weight that is
+  the de-quantization of Q4_1 blocks (the bundled GGUF's decoder linears) lies on that grid
+  already, so its 4-bit codes are recovered exactly. Its LM head is int8 per output channel
+  (`WeightOnlyInt8Linear`), as GGUFs keep the output matrix above 4 bits (Q8_0 in the bundled one).
+  Where Magnitude's own kernels are built (runner/lowbit.py: this CPU's C compiler, at first use)
+  the activations stay fp32, so the decoder's products are the fp32 model's up to summation order;
+  else torch's kernels run with bf16 activations, scales and outputs (their fast path), which is
+  what the "a16" of the name stands for. `lowbit.describe()` says which ran.
 - `w8a16` (weight-only): `WeightOnlyInt8Linear` keeps int8 weights with one scale per output
-  channel and multiplies activations in the model's dtype (`torch._weight_int8pack_mm`). No
-  activation rounding, so its error is the weights' alone (top-1 agreement with fp32 0.971, mean
-  KL 0.004, `bench/int8_quality.py`) and its numerics are as stable as the unquantized model's.
+  channel and multiplies activations in the model's dtype (Magnitude's kernel in fp32, else
+  `torch._weight_int8pack_mm`). No activation rounding, so its error is the weights' alone
+  (top-1 agreement with fp32 0.971, mean KL 0.004, `bench/int8_quality.py`) and its numerics are
+  as stable as the unquantized model's.
 - `w8a8` (`int8` is its earlier name): described below.
 
 The evaluation record (`runner/quant_eval.py`) measures either against the unquantized model
@@ -58,7 +59,7 @@ import time
 import torch
 from torch import nn
 
-from magnitude.runner import QUANTIZATIONS, canonical_quantization
+from magnitude.runner import QUANTIZATIONS, canonical_quantization, lowbit
 from magnitude.runner.file_pages import drop_pages, file_backed_ranges, in_ranges
 
 # The range a symmetric int8 scale maps onto; -128 is left unused so that x and -x quantize alike.
@@ -187,24 +188,37 @@ class Int8Linear(nn.Module):
 
 
 class WeightOnlyInt8Linear(nn.Module):
-    """y = x (W_q s)^T (+ b): int8 weights with one scale per output channel; x stays in its dtype."""
+    """y = x (W_q s)^T (+ b): int8 weights with one scale per output channel; x stays in its dtype.
+
+    Multiplies through Magnitude's kernel (runner/lowbit.py: x in fp32, each weight decoded once per
+    8 rows) where it is built, else through `torch._weight_int8pack_mm`."""
 
     def __init__(self, linear: nn.Linear, activation_dtype: torch.dtype | None = None) -> None:
-        """`activation_dtype`: what x is cast to for the kernel (default: the weight's dtype).
-        bf16 is the kernel's fast path on AVX2: the LM head at one row 6.3 ms against 32 ms with
-        fp32 activations (`bench/step_profile.py`), so w4a16 uses it for its head."""
+        """`activation_dtype`: what x is cast to for torch's kernel (default: the weight's dtype).
+        bf16 is that kernel's fast path on AVX2: the LM head at one row 6.3 ms against 32 ms with
+        fp32 activations (`bench/step_profile.py`), so w4a16 asks for it for its head. Magnitude's
+        kernel takes fp32 activations, at 2.6 ms for the same head (`bench/lowbit_bench.py`)."""
         super().__init__()
         w = linear.weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / _QMAX
-        # [out, in] contiguous int8 and scales in the activations' dtype: what the kernel takes.
+        self.kernel = lowbit.kernels() if linear.in_features % lowbit.K_MULTIPLE == 0 else None
+        # [out, in] contiguous int8: what either kernel takes; the scales in the kernel's dtype.
         self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8).contiguous())
-        self.register_buffer("weight_scale", scale.to(activation_dtype or linear.weight.dtype))
+        scale_dtype = torch.float32 if self.kernel is not None else activation_dtype or linear.weight.dtype
+        self.register_buffer("weight_scale", scale.to(scale_dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.in_features = linear.in_features
         self.out_features = linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.kernel is not None:
+            x2 = x.view(-1, self.in_features) if x.dtype == torch.float32 and x.is_contiguous() else \
+                x.reshape(-1, self.in_features).float().contiguous()
+            y = self.kernel.int8_matmul(x2, self.qweight, self.weight_scale)
+            if self.bias is not None:
+                y += self.bias
+            return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(self.weight_scale.dtype).contiguous()
         y = torch._weight_int8pack_mm(x2, self.qweight, self.weight_scale)
         if self.bias is not None:
@@ -212,8 +226,9 @@ class WeightOnlyInt8Linear(nn.Module):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        kernel = self.kernel.name if self.kernel is not None else "torch"
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel W, "
-                f"A in {str(self.weight_scale.dtype).removeprefix('torch.')}")
+                f"A in {str(self.weight_scale.dtype).removeprefix('torch.')} ({kernel})")
 
 
 def int4_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -232,8 +247,14 @@ def int4_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, 
 
 
 class Int4WeightOnlyLinear(nn.Module):
-    """y = x W^T (+ b) with W in 4-bit groups of 32 input channels (a scale and a minimum each) and
-    x, scales and y in bf16 inside the kernel; the result is returned in x's dtype.
+    """y = x W^T (+ b) with W in 4-bit groups of 32 input channels (a scale and a minimum each); the
+    result is returned in x's dtype.
+
+    Two kernels, chosen when the module is built:
+    - Magnitude's (runner/lowbit.py), where it is built: x, the scales and minimums and y in fp32,
+      so on Q4_1-grid weights the product is the fp32 model's up to summation order;
+    - else torch's `_weight_int4pack_mm_for_cpu`, with x, the scales and y rounded to bf16 (its fast
+      path; fp32 activations run a scalar loop on AVX2).
 
     `grid_error` is the largest |W - dequant(codes)| relative to the group's scale: ~0 when W was
     already on a 4-bit grid (de-quantized Q4_1), up to 0.5 otherwise."""
@@ -248,10 +269,19 @@ class Int4WeightOnlyLinear(nn.Module):
         recon = codes.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]
         err = (recon - w.float().reshape(n, k // group, group)).abs().amax(dim=-1)
         self.grid_error = float((err / scale.clamp(min=1e-30)).where(scale > 0, torch.zeros_like(err)).max())
-        # The kernel's convention: w = (code - 8) * scale + zero, so zero = minimum + 8 * scale.
-        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([scale.t(), (lo + 8.0 * scale).t()], dim=-1).to(torch.bfloat16).contiguous())
+        self.kernel = lowbit.kernels() if group == lowbit.K_MULTIPLE else None
+        if self.kernel is not None:
+            # Two codes a byte, a group's first 16 inputs in the low nibbles (Q4_1's order).
+            halves = codes.reshape(n, k // group, 2, group // 2)
+            self.register_buffer("qweight", (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8)
+                                 .reshape(n, k // 2).contiguous())
+            self.register_buffer("scales", scale.float().contiguous())
+            self.register_buffer("mins", lo.float().contiguous())
+        else:
+            # torch's convention: w = (code - 8) * scale + zero, so zero = minimum + 8 * scale.
+            self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+            self.register_buffer("scales_and_zeros",
+                                 torch.stack([scale.t(), (lo + 8.0 * scale).t()], dim=-1).to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.in_features = k
         self.out_features = n
@@ -259,6 +289,15 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.kernel is not None:
+            # A decode step calls this ~120 times: no-op conversions are skipped, not made (each
+            # costs microseconds of framework time, as much as a small product's arithmetic).
+            x2 = x.view(-1, self.in_features) if x.dtype == torch.float32 and x.is_contiguous() else \
+                x.reshape(-1, self.in_features).float().contiguous()
+            y = self.kernel.int4_matmul(x2, self.qweight, self.scales, self.mins)
+            if self.bias is not None:
+                y += self.bias
+            return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
@@ -266,8 +305,9 @@ class Int4WeightOnlyLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        activations = f"A in fp32 ({self.kernel.name})" if self.kernel is not None else "A in bf16 (torch)"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"4-bit W (groups of {self.group}, scale + min), A in bf16")
+                f"4-bit W (groups of {self.group}, scale + min), {activations}")
 
 
 # Linears of one module that transformers' model classes call one after another on the same input

@@ -1,0 +1,187 @@
+"""A step's decoder layers in one native call (`magnitude_decode_layers` in lowbit_kernels.c).
+
+The lean forward (paged_decoder.py) still runs about a hundred torch operations per layer; at one
+to a few rows each is mostly framework time, and together they were two thirds of a w4a16 decode
+step at batch 1 (`bench/step_profile.py`). For a model the lean forward takes (transformers'
+Llama, Mistral, Qwen2) with fp32 activations, SiLU, and every projection in w4a16 on Magnitude's
+kernels, `fused_decoder` returns a forward that runs all layers in C: RMSNorm, the fused q/k/v
+product, RoPE with the model's own cos/sin, the K/V write into the paged pool, grouped-query
+attention over each row's blocks (its sliding window, if any), the output projection, the
+SiLU-gated MLP and both residuals. The embeddings, the rotary table and the final norm stay in
+torch. It takes decode steps and steps with short prefill chunks (`runs_fused`); a step with a
+long or deep chunk, where SDPA's block products beat attending key by key, and every other model
+go through the lean forward.
+
+It computes what the lean forward computes, in another order (its own sums, no SDPA), so its
+results agree to fp32 rounding, not bit for bit; tests/runner/test_fused_decode.py bounds the
+difference and checks that a row's result does not depend on its batch or the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from magnitude.runner import lowbit
+from magnitude.runner.attention import PagedBatch
+from magnitude.runner.quantize import Int4Group, Int4WeightOnlyLinear
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                                     "block_size", "table_width")] + \
+               [("eps", ctypes.c_float), ("scaling", ctypes.c_float)]
+
+
+_LAYER_POINTERS = ("in_norm", "post_norm", "qkv_codes", "qkv_scales", "qkv_mins", "qkv_bias", "o_codes", "o_scales",
+                   "o_mins", "o_bias", "gu_codes", "gu_scales", "gu_mins", "gu_bias", "down_codes", "down_scales",
+                   "down_mins", "down_bias", "k_cache", "v_cache")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_POINTERS] + [("window", ctypes.c_int64)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.magnitude_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, ctypes.c_int]
+    lib.magnitude_decode_layers.restype = ctypes.c_int
+
+
+@dataclass(frozen=True)
+class _Int4:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _native_int4(module: nn.Module | Int4Group | None, kernel: lowbit.LowbitKernels) -> _Int4 | None:
+    """The int4 operands of a fused group or a w4a16 linear on `kernel`, fp32 bias; else None."""
+    linear = module.fused if isinstance(module, Int4Group) else module
+    if type(linear) is not Int4WeightOnlyLinear or linear.kernel is not kernel:
+        return None
+    bias = linear.bias
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    return _Int4(linear.qweight, linear.scales, linear.mins, bias)
+
+
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], "torch.Tensor | None"]
+
+
+# Which steps run fused. Its products beat the lean forward's up to 64 rows (a lone 64-token chunk
+# from position 0: 287 against 324 ms; 16 tokens 73 against 117 ms), but its attention reads the
+# pool key by key for every query row where the lean forward's SDPA multiplies whole blocks: a
+# 64-token chunk at position 1,000 took 601 against 403 ms, a 256-token chunk 1,251 against
+# 1,219 ms (`bench/step_profile.py --compare-decoders --quantization w4a16 --batches 1,8
+# --contexts 100,1000 --prefills 16,64,64@1000,256 --threads 2`, AVX2 EPYC). So a step runs fused
+# when it has at most FUSED_MAX_ROWS rows and its prefill rows attend to at most
+# FUSED_MAX_CHUNK_CONTEXT keys on average (about where the two costs cross there).
+FUSED_MAX_ROWS = 64
+FUSED_MAX_CHUNK_CONTEXT = 384
+
+
+def runs_fused(batch: PagedBatch) -> bool:
+    """Whether the fused forward takes this step (see FUSED_MAX_ROWS); decode rows always qualify."""
+    rows = batch.num_tokens
+    if rows > FUSED_MAX_ROWS:
+        return False
+    decode_rows = [g.q_index[:, 0] for g in batch.groups if g.q_index.shape[1] == 1]
+    chunk_rows = rows - sum(len(r) for r in decode_rows)
+    if not chunk_rows:
+        return True
+    keys = int(batch.row_positions.sum()) + rows  # every row attends to its position + 1 keys
+    keys -= sum(int(batch.row_positions[r.numpy()].sum()) + len(r) for r in decode_rows)
+    return keys <= FUSED_MAX_CHUNK_CONTEXT * chunk_rows
+
+
+def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
+                  choose: Callable[[PagedBatch], bool] = runs_fused) -> DecodeFn | None:
+    """The fused forward for `inner` (already accepted by paged_decoder.lean_family, whose
+    `window(attn)` gives each layer's sliding window), or None when the model is not one it runs:
+    not w4a16 on Magnitude's kernels throughout, not fp32, or not SiLU. The forward returns None for
+    a step `choose` declines (by default `runs_fused`), for the caller to run the lean forward."""
+    from magnitude.runner.paged_decoder import _fused_group  # paged_decoder imports this module
+
+    kernel = lowbit.kernels()
+    config = inner.config
+    if kernel is None or getattr(config, "hidden_act", None) != "silu" or inner.embed_tokens.weight.dtype != torch.float32:
+        return None
+    layers = list(inner.layers[: config.num_hidden_layers])
+    if not layers:
+        return None
+    attn0 = layers[0].self_attn
+    heads, head_dim = config.num_attention_heads, attn0.head_dim
+    kv_heads = config.num_key_value_heads
+    if head_dim > 512 or head_dim % 2 or heads % kv_heads:
+        return None
+    keep: list[torch.Tensor] = []  # every tensor a pointer is taken from, alive as long as the forward
+    weights: list[dict[str, int]] = []
+    windows: list[int] = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = _native_int4(_fused_group(attn.q_proj, attn.k_proj, attn.v_proj), kernel)
+        gate_up = _native_int4(_fused_group(mlp.gate_proj, mlp.up_proj), kernel)
+        o, down = _native_int4(attn.o_proj, kernel), _native_int4(mlp.down_proj, kernel)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if None in (qkv, gate_up, o, down) or any(n.weight.dtype != torch.float32 for n in norms):
+            return None
+        if attn.head_dim != head_dim or float(attn.scaling) != float(attn0.scaling):
+            return None
+        entry: dict[str, int] = {}
+        for prefix, op in (("qkv", qkv), ("o", o), ("gu", gate_up), ("down", down)):
+            for part in ("codes", "scales", "mins", "bias"):
+                t = getattr(op, part)
+                entry[f"{prefix}_{part}"] = 0 if t is None else t.data_ptr()
+                if t is not None:
+                    keep.append(t)
+        for name, norm in zip(("in_norm", "post_norm"), norms):
+            w = norm.weight.detach().contiguous()
+            keep.append(w)
+            entry[name] = w.data_ptr()
+        weights.append(entry)
+        windows.append(window(attn) or 0)
+    eps = {float(n.variance_epsilon) for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+    if len(eps) != 1:
+        return None
+    lib = kernel.lib
+    _declare(lib)
+    table = (_Layer * len(layers))()
+    for i, (entry, win) in enumerate(zip(weights, windows)):
+        for name, ptr in entry.items():
+            setattr(table[i], name, ptr)
+        table[i].window = win
+    dims = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling))
+    rotary = inner.rotary_emb
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor | None:
+        if not choose(batch):
+            return None
+        if batch.k_layers[0].dtype != torch.float32:
+            return None
+        h = inner.embed_tokens(input_ids)[0].contiguous()  # [T, hidden], fresh: updated in place
+        cos, sin = rotary(h, position_ids=position_ids)
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+        rows = h.shape[0]
+        tables = np.ascontiguousarray(batch.row_tables, dtype=np.int64)
+        positions = np.ascontiguousarray(batch.row_positions, dtype=np.int64)
+        for i in range(len(layers)):
+            table[i].k_cache = batch.k_layers[i].data_ptr()
+            table[i].v_cache = batch.v_layers[i].data_ptr()
+        d = _Dims(block_size=batch.block_size, table_width=tables.shape[1], **dims)
+        rc = lib.magnitude_decode_layers(ctypes.byref(d), table, len(layers), h.data_ptr(), rows,
+                                         positions.ctypes.data, tables.ctypes.data, cos.data_ptr(), sin.data_ptr(),
+                                         torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("the fused decode step could not allocate its buffers")
+        return h
+
+    forward.keep = keep  # type: ignore[attr-defined]
+    return forward

@@ -1,0 +1,182 @@
+"""Magnitude's own CPU kernels for low-bit weights (`lowbit_kernels.c`): building, caching, loading
+and calling them.
+
+A small decode batch multiplies a few activation rows by every weight once. torch's int4 and int8
+weight-only CPU kernels decode the weights again for each row and, on their fast path, round the
+activations to bf16; `lowbit_kernels.c` decodes each weight block once for up to 8 rows and keeps
+the activations in fp32 (measured with `bench/lowbit_bench.py`). quantize.py's w4a16 and w8a16
+linears call these kernels where they load and fall back to torch's where not.
+
+The C source is compiled at first use with the system C compiler for this CPU (`-march=native`,
+OpenMP) into `$MAGNITUDE_CACHE/kernels/lowbit-<key>.so`, the key hashing the source, the compiler,
+the flags and the CPU (its model and feature flags), so pods of different CPUs sharing a cache
+volume each get their own build. A build takes about a second. No compiler, or a failed build,
+means torch's kernels, logged once. `MAGNITUDE_LOWBIT_KERNEL=torch` keeps torch's kernels;
+`=native` makes a missing build an error (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from magnitude.runner.model_cache import cache_root
+
+log = logging.getLogger(__name__)
+
+KERNEL_ENV = "MAGNITUDE_LOWBIT_KERNEL"
+SOURCE = Path(__file__).with_name("lowbit_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# Both layouts work on groups of 32 input channels (int4's quantization groups; int8's vector width).
+K_MULTIPLE = 32
+
+
+
+class LowbitKernelError(RuntimeError):
+    """`MAGNITUDE_LOWBIT_KERNEL=native` was asked for and the kernels could not be built or loaded."""
+
+
+@dataclass(frozen=True)
+class LowbitKernels:
+    """The loaded library. Every tensor argument is CPU, contiguous, in the dtype named."""
+
+    lib: ctypes.CDLL
+    isa: str  # "avx2" or "generic": which code path the build took
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return f"magnitude-{self.isa}"
+
+    def int4_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    mins: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 @ W^T -> [M, N] fp32; W as codes [N, K/2] uint8, scales/mins [N, K/32] fp32."""
+        m, k = x.shape
+        y = torch.empty(m, codes.shape[0], dtype=torch.float32)
+        self.lib.magnitude_int4_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
+                                       mins.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y
+
+    def int8_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 @ W^T -> [M, N] fp32; W as codes [N, K] int8 times scales [N] fp32."""
+        m, k = x.shape
+        y = torch.empty(m, codes.shape[0], dtype=torch.float32)
+        self.lib.magnitude_int8_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
+                                       y.data_ptr(), torch.get_num_threads())
+        return y
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.magnitude_lowbit_isa.restype = ctypes.c_char_p
+    lib.magnitude_lowbit_isa.argtypes = []
+    lib.magnitude_int4_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, i32]
+    lib.magnitude_int8_matmul.argtypes = [p, i64, i64, i64, p, p, p, i32]
+    lib.magnitude_int4_matmul.restype = None
+    lib.magnitude_int8_matmul.restype = None
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags: what `-march=native` compiles for."""
+    wanted = ("model name", "flags", "Features", "CPU part")
+    lines: list[str] = []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() in wanted and line not in lines:
+                    lines.append(line)
+                if not line.strip() and lines:
+                    break  # the first processor's block describes them all
+    except OSError:
+        pass
+    return platform.machine() + "\n" + "".join(lines)
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def build(directory: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile the kernels for this CPU (or find the cached build) and return the library's path.
+    Raises LowbitKernelError naming what failed."""
+    cc = _compiler()
+    if cc is None:
+        raise LowbitKernelError("no C compiler found (looked for $CC, cc, gcc, clang)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise LowbitKernelError(f"{cc} --version failed: {e}") from e
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+                                     _cpu_identity().encode()])).hexdigest()[:24]
+    directory = directory or cache_root() / "kernels"
+    target = directory / f"lowbit-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    # Built under a name of its own and renamed: processes sharing the volume never load half a file.
+    tmp = directory / f".lowbit-{key}.{os.getpid()}.{threading.get_ident()}.so"
+    cmd = [cc, *flags, "-o", str(tmp), str(SOURCE)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise LowbitKernelError(f"{' '.join(cmd)} failed: {e}") from e
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise LowbitKernelError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)
+    log.info("built the low-bit kernels for this CPU: %s", target)
+    return target
+
+
+def load(path: Path) -> LowbitKernels:
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    return LowbitKernels(lib, lib.magnitude_lowbit_isa().decode(), path)
+
+
+_lock = threading.Lock()
+_loaded: LowbitKernels | None = None
+_failure: str | None = None
+
+
+def kernels() -> LowbitKernels | None:
+    """The kernels for this process (built once), or None where torch's kernels are to be used:
+    `MAGNITUDE_LOWBIT_KERNEL=torch`, or the build failed (logged once with the reason)."""
+    global _loaded, _failure
+    choice = os.environ.get(KERNEL_ENV, "")
+    if choice not in ("", "native", "torch"):
+        raise LowbitKernelError(f"{KERNEL_ENV}={choice!r}: expected native or torch")
+    if choice == "torch":
+        return None
+    with _lock:
+        if _loaded is None and _failure is None:
+            try:
+                _loaded = load(build())
+            except (LowbitKernelError, OSError) as e:
+                _failure = str(e)
+                log.warning("low-bit weights use torch's kernels: %s", _failure)
+        if _loaded is None and choice == "native":
+            raise LowbitKernelError(f"{KERNEL_ENV}=native: {_failure}")
+        return _loaded
+
+
+def describe() -> str:
+    """Which kernels low-bit weights run on, for logs, cache keys and test output."""
+    if os.environ.get(KERNEL_ENV) == "torch":
+        return f"torch ({KERNEL_ENV}=torch)"
+    k = kernels()
+    return k.name if k is not None else f"torch ({_failure})"

@@ -1,0 +1,441 @@
+/* Magnitude's CPU kernels for low-bit weights (built and loaded by lowbit.py).
+
+   A decode step multiplies a few activation rows by every weight once, so its cost is decoding
+   the weights, not the arithmetic: these kernels unpack each weight block once and apply it to up
+   to 8 activation rows in fp32 (torch's int4/int8 CPU kernels decode the weights again for every
+   row and round activations to bf16 on their fast path). More rows go through in passes of 8.
+
+   Layouts (row-major, n = output channel, k = input channel):
+   - int4: codes [n][k/2] bytes; per group of 32 inputs 16 bytes, low nibbles are inputs 0..15 and
+     high nibbles 16..31 (GGUF Q4_1's order); w = code * scale[n][k/32] + min[n][k/32].
+   - int8: codes [n][k] signed bytes; w = code * scale[n].
+   k is a multiple of 32 for both (lowbit.py checks). Threads: OpenMP, the runtime torch already
+   loaded, so the pools are shared. */
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define ROWS_PER_PASS 8
+
+const char *magnitude_lowbit_isa(void) {
+#ifdef __AVX2__
+    return "avx2";
+#else
+    return "generic";
+#endif
+}
+
+typedef void (*rows_fn)(const float *x, int m, int64_t k, const void *codes, const float *scales,
+                        const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1);
+
+/* This thread's number and its team's size (0 and 1 without OpenMP). */
+static void team(int *t, int *nt) {
+#ifdef _OPENMP
+    *t = omp_get_thread_num();
+    *nt = omp_get_num_threads();
+#else
+    *t = 0;
+    *nt = 1;
+#endif
+}
+
+/* Thread t's share [a, b) of n output channels, in multiples of 8 so that each thread's output
+   stores stay off the others' cache lines. */
+static void share(int64_t n, int t, int nt, int64_t *a, int64_t *b) {
+    int64_t per = ((n + nt - 1) / nt + 7) / 8 * 8;
+    *a = t * per < n ? t * per : n;
+    *b = *a + per < n ? *a + per : n;
+}
+
+/* Splits output channels over the threads; each thread runs `fn` on its share for all m rows. */
+static void split_rows(rows_fn fn, const float *x, int64_t m, int64_t k, int64_t n, const void *codes,
+                       const float *scales, const float *mins, float *y, int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        int t, nt;
+        int64_t a, b;
+        team(&t, &nt);
+        share(n, t, nt, &a, &b);
+        for (int64_t r0 = 0; r0 < m && a < b; r0 += ROWS_PER_PASS) {
+            int rows = (int)(m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS);
+            fn(x + r0 * k, rows, k, codes, scales, mins, y + r0 * n, n, a, b);
+        }
+    }
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    __m128 sh = _mm_movehdup_ps(lo);
+    lo = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, lo);
+    return _mm_cvtss_f32(_mm_add_ss(lo, sh));
+}
+
+/* Channels [n0, n1) for exactly M activation rows, NB channels at a time. Every row's sum is
+   formed in the same order whatever M and NB are (one accumulator, the group's four vectors in
+   turn), so a row's result does not depend on which rows share its batch; NB independent channels
+   keep the FMA units busy when M is small. */
+#define DEFINE_PASS(NAME, M, NB, DECODE, SCALE_END)                                                \
+static void NAME##_##M##_##NB(const float *x, int64_t k, const void *codes_, const float *scales, \
+                              const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {  \
+    (void)mins;                                                                                    \
+    int64_t n = n0;                                                                                \
+    for (; n + NB <= n1; n += NB) {                                                                \
+        __m256 acc[M][NB];                                                                         \
+        for (int r = 0; r < M; r++)                                                                \
+            for (int q = 0; q < NB; q++) acc[r][q] = _mm256_setzero_ps();                          \
+        for (int64_t g = 0; g < k / 32; g++) {                                                     \
+            const float *xg = x + g * 32;                                                          \
+            for (int q = 0; q < NB; q++) {                                                         \
+                __m256 w[4];                                                                       \
+                const int64_t ch = n + q;                                                          \
+                DECODE                                                                             \
+                for (int r = 0; r < M; r++)                                                        \
+                    for (int j = 0; j < 4; j++)                                                    \
+                        acc[r][q] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + r * k + 8 * j), acc[r][q]); \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < M; r++)                                                                \
+            for (int q = 0; q < NB; q++) {                                                         \
+                const int64_t ch = n + q;                                                          \
+                y[r * ldy + ch] = hsum(acc[r][q]) SCALE_END;                                       \
+            }                                                                                      \
+    }                                                                                              \
+    if (n < n1 && NB > 1) NAME##_##M##_1(x, k, codes_, scales, mins, y, ldy, n, n1);              \
+}
+
+/* 16 bytes of nibbles -> 32 weights, dequantized with the group's scale and minimum. */
+#define DECODE_INT4                                                                                \
+    const uint8_t *c = (const uint8_t *)codes_ + ch * (k / 2) + g * 16;                             \
+    const __m128i mask = _mm_set1_epi8(0x0F);                                                      \
+    __m128i b = _mm_loadu_si128((const __m128i *)c);                                               \
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);           \
+    __m256 sc = _mm256_set1_ps(scales[ch * (k / 32) + g]), mi = _mm256_set1_ps(mins[ch * (k / 32) + g]); \
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sc, mi);                  \
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sc, mi); \
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sc, mi);                  \
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), sc, mi);
+
+/* 32 signed bytes -> 32 weights; the channel's scale is applied once, to the sum. */
+#define DECODE_INT8                                                                                \
+    const int8_t *c = (const int8_t *)codes_ + ch * k + g * 32;                                     \
+    for (int j = 0; j < 4; j++)                                                                    \
+        w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * j))));
+
+DEFINE_PASS(int4_pass, 1, 1, DECODE_INT4, )
+DEFINE_PASS(int4_pass, 1, 4, DECODE_INT4, )
+DEFINE_PASS(int4_pass, 2, 1, DECODE_INT4, )
+DEFINE_PASS(int4_pass, 2, 2, DECODE_INT4, )
+DEFINE_PASS(int4_pass, 4, 1, DECODE_INT4, )
+DEFINE_PASS(int4_pass, 8, 1, DECODE_INT4, )
+DEFINE_PASS(int8_pass, 1, 1, DECODE_INT8, * scales[ch])
+DEFINE_PASS(int8_pass, 2, 1, DECODE_INT8, * scales[ch])
+DEFINE_PASS(int8_pass, 4, 1, DECODE_INT8, * scales[ch])
+DEFINE_PASS(int8_pass, 8, 1, DECODE_INT8, * scales[ch])
+
+/* Up to 8 rows as passes of 8, 4, 2 and 1 (each pass re-reads the weights, from cache). NB1 and
+   NB2: channels at a time for one and two rows, measured per layout (bench/lowbit_bench.py): int4
+   gains from four channels in flight, the int8 LM head loses (its rows stream from memory). */
+#define DEFINE_ROWS(NAME, NB1, NB2)                                                                \
+static void NAME##_rows(const float *x, int m, int64_t k, const void *codes, const float *scales, \
+                        const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {        \
+    while (m > 0) {                                                                                \
+        int step = m >= 8 ? 8 : m >= 4 ? 4 : m >= 2 ? 2 : 1;                                       \
+        if (step == 8) NAME##_pass_8_1(x, k, codes, scales, mins, y, ldy, n0, n1);                 \
+        else if (step == 4) NAME##_pass_4_1(x, k, codes, scales, mins, y, ldy, n0, n1);            \
+        else if (step == 2) NAME##_pass_2_##NB2(x, k, codes, scales, mins, y, ldy, n0, n1);        \
+        else NAME##_pass_1_##NB1(x, k, codes, scales, mins, y, ldy, n0, n1);                       \
+        x += step * k;                                                                             \
+        y += step * ldy;                                                                           \
+        m -= step;                                                                                 \
+    }                                                                                              \
+}
+DEFINE_ROWS(int4, 4, 2)
+DEFINE_ROWS(int8, 1, 1)
+
+#else
+/* Portable C for CPUs without AVX2 (the compiler vectorises it for the target it builds for). */
+static void int4_rows(const float *x, int m, int64_t k, const void *codes_, const float *scales,
+                      const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *c = (const uint8_t *)codes_ + n * (k / 2);
+        float acc[ROWS_PER_PASS] = {0};
+        for (int64_t g = 0; g < k / 32; g++) {
+            float w[32], s = scales[n * (k / 32) + g], mn = mins[n * (k / 32) + g];
+            for (int j = 0; j < 16; j++) {
+                w[j] = (float)(c[g * 16 + j] & 0x0F) * s + mn;
+                w[j + 16] = (float)(c[g * 16 + j] >> 4) * s + mn;
+            }
+            for (int r = 0; r < m; r++) {
+                float a = 0.f;
+                for (int j = 0; j < 32; j++) a += w[j] * x[r * k + g * 32 + j];
+                acc[r] += a;
+            }
+        }
+        for (int r = 0; r < m; r++) y[r * ldy + n] = acc[r];
+    }
+}
+
+static void int8_rows(const float *x, int m, int64_t k, const void *codes_, const float *scales,
+                      const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    (void)mins;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *c = (const int8_t *)codes_ + n * k;
+        for (int r = 0; r < m; r++) {
+            float a = 0.f;
+            for (int64_t j = 0; j < k; j++) a += (float)c[j] * x[r * k + j];
+            y[r * ldy + n] = a * scales[n];
+        }
+    }
+}
+#endif
+
+/* y [m][n] = x [m][k] @ W^T, W in the int4 layout above. */
+void magnitude_int4_matmul(const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *codes,
+                           const float *scales, const float *mins, float *y, int threads) {
+    split_rows(int4_rows, x, m, k, n, codes, scales, mins, y, threads);
+}
+
+/* y [m][n] = x [m][k] @ W^T, W in the int8 layout above. */
+void magnitude_int8_matmul(const float *x, int64_t m, int64_t k, int64_t n, const int8_t *codes,
+                           const float *scales, float *y, int threads) {
+    split_rows(int8_rows, x, m, k, n, codes, scales, 0, y, threads);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   A whole decode step's decoder layers in one call (fused_decode.py): for steps where every row is
+   one sequence's next token, on a Llama-shaped model (RMSNorm, RoPE, grouped-query attention over
+   the paged KV pool, SiLU-gated MLP) whose projections are int4 in the layout above. The torch
+   path runs about a hundred framework operations per layer, each a few microseconds of Python and
+   dispatch; here a layer is a handful of loops in one OpenMP region, its threads meeting at a
+   spinning barrier between the phases that need every thread's output. */
+#include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const float *in_norm, *post_norm;                 /* [hidden] */
+    const uint8_t *qkv_codes; const float *qkv_scales, *qkv_mins, *qkv_bias;    /* q, k, v stacked */
+    const uint8_t *o_codes; const float *o_scales, *o_mins, *o_bias;
+    const uint8_t *gu_codes; const float *gu_scales, *gu_mins, *gu_bias;        /* gate, up stacked */
+    const uint8_t *down_codes; const float *down_scales, *down_mins, *down_bias;
+    float *k_cache, *v_cache;                          /* [slots][kv_heads][head_dim] */
+    int64_t window;                                    /* keys with pos - key_pos < window; 0: all */
+} magnitude_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, table_width;
+    float eps, scaling;
+} magnitude_dims;
+
+typedef struct {
+    atomic_int count;
+    atomic_int sense;
+    int n;
+} spin_barrier;
+
+/* Spins (the phases are microseconds apart), yielding the CPU if a partner is long descheduled. */
+static void barrier_wait(spin_barrier *b, int *local_sense) {
+    *local_sense = !*local_sense;
+    if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == b->n - 1) {
+        atomic_store_explicit(&b->count, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->sense, *local_sense, memory_order_release);
+    } else {
+        unsigned spins = 0;
+        while (atomic_load_explicit(&b->sense, memory_order_acquire) != *local_sense)
+            if (++spins % 4096 == 0) sched_yield();
+    }
+}
+
+/* y[r][n0..n1) = x[r] @ W^T (+ bias) (+= into y when accumulate: the residual stream). */
+static void int4_share(const float *x, int64_t m, int64_t k, const uint8_t *codes, const float *scales,
+                       const float *mins, const float *bias, float *y, int64_t ldy, int64_t n0, int64_t n1,
+                       int accumulate, float *tmp) {
+    if (n0 >= n1) return;
+    float *out = accumulate ? tmp : y;
+    int4_rows(x, (int)m, k, codes, scales, mins, out, ldy, n0, n1);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t n = n0; n < n1; n++) {
+            float v = out[r * ldy + n] + (bias ? bias[n] : 0.f);
+            y[r * ldy + n] = accumulate ? y[r * ldy + n] + v : v;
+        }
+}
+
+static void rms_norm_rows(const float *h, const float *w, float *out, int64_t m, int64_t hidden, float eps,
+                          int t, int nt) {
+    for (int64_t r = t; r < m; r += nt) {
+        const float *x = h + r * hidden;
+        float ss = 0.f;
+        for (int64_t i = 0; i < hidden; i++) ss += x[i] * x[i];
+        float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++) out[r * hidden + i] = w[i] * (x[i] * inv);
+    }
+}
+
+/* x * cos + rotate_half(x) * sin for one head (rotate_half(x) = [-x2, x1]). */
+static void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    int64_t half = d / 2;
+    float tmp[512];
+    for (int64_t i = 0; i < d; i++) tmp[i] = x[i];
+    for (int64_t i = 0; i < half; i++) {
+        x[i] = tmp[i] * cos[i] - tmp[i + half] * sin[i];
+        x[i + half] = tmp[i + half] * cos[i + half] + tmp[i] * sin[i + half];
+    }
+}
+
+/* One row's KV head: RoPE on its k and on the query heads that read it, then k and v into the
+   row's slot of the pool. */
+static void rope_and_store(const magnitude_dims *d, const magnitude_layer *L, float *qkv_row, int64_t pos,
+                           const int64_t *table, const float *cos, const float *sin, int64_t kvh) {
+    const int64_t D = d->head_dim, rep = d->heads / d->kv_heads, bs = d->block_size;
+    float *q0 = qkv_row + kvh * rep * D;
+    float *k = qkv_row + d->heads * D + kvh * D;
+    float *v = qkv_row + (d->heads + d->kv_heads) * D + kvh * D;
+    for (int64_t j = 0; j < rep; j++) rope(q0 + j * D, cos, sin, D);
+    rope(k, cos, sin, D);
+    int64_t slot = table[pos / bs] * bs + pos % bs;
+    memcpy(L->k_cache + (slot * d->kv_heads + kvh) * D, k, (size_t)D * sizeof(float));
+    memcpy(L->v_cache + (slot * d->kv_heads + kvh) * D, v, (size_t)D * sizeof(float));
+}
+
+/* softmax(q K^T * scaling) V for one query head over the row's keys (positions first..pos), read
+   from the pool block by block. DIM is the head size when known at compile time (0: d->head_dim),
+   so that q and the output stay in registers. */
+#define DEFINE_ATTEND(NAME, DIM)                                                                   \
+static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, float *out,   \
+                 int64_t first, int64_t pos, const int64_t *table, int64_t kvh, float *scores) {   \
+    const int64_t D = DIM ? DIM : d->head_dim, bs = d->block_size, stride = d->kv_heads * D;      \
+    const float scaling = d->scaling;                                                              \
+    float mx = -INFINITY;                                                                          \
+    for (int64_t p = first; p <= pos;) {                                                           \
+        int64_t blk = p / bs, in = p % bs, n = bs - in < pos + 1 - p ? bs - in : pos + 1 - p;      \
+        const float *kt = L->k_cache + (table[blk] * bs + in) * stride + kvh * D;                  \
+        for (int64_t i = 0; i < n; i++, kt += stride) {                                            \
+            float acc = 0.f;                                                                       \
+            _Pragma("omp simd reduction(+:acc)")                                                   \
+            for (int64_t e = 0; e < D; e++) acc += q[e] * kt[e];                                   \
+            acc *= scaling;                                                                        \
+            scores[p - first + i] = acc;                                                           \
+            mx = acc > mx ? acc : mx;                                                              \
+        }                                                                                          \
+        p += n;                                                                                    \
+    }                                                                                              \
+    float sum = 0.f, o[DIM ? DIM : 512];                                                           \
+    for (int64_t t = 0; t <= pos - first; t++) {                                                   \
+        scores[t] = expf(scores[t] - mx);                                                          \
+        sum += scores[t];                                                                          \
+    }                                                                                              \
+    for (int64_t e = 0; e < D; e++) o[e] = 0.f;                                                    \
+    for (int64_t p = first; p <= pos;) {                                                           \
+        int64_t blk = p / bs, in = p % bs, n = bs - in < pos + 1 - p ? bs - in : pos + 1 - p;      \
+        const float *vt = L->v_cache + (table[blk] * bs + in) * stride + kvh * D;                  \
+        for (int64_t i = 0; i < n; i++, vt += stride) {                                            \
+            float w = scores[p - first + i];                                                       \
+            _Pragma("omp simd")                                                                    \
+            for (int64_t e = 0; e < D; e++) o[e] += w * vt[e];                                     \
+        }                                                                                          \
+        p += n;                                                                                    \
+    }                                                                                              \
+    float inv = 1.0f / sum;                                                                        \
+    for (int64_t e = 0; e < D; e++) out[e] = o[e] * inv;                                           \
+}
+DEFINE_ATTEND(attend_64, 64)
+DEFINE_ATTEND(attend_128, 128)
+DEFINE_ATTEND(attend_any, 0)
+
+static void attend(const magnitude_dims *d, const magnitude_layer *L, const float *qkv_row, float *out_row,
+                   int64_t pos, const int64_t *table, int64_t head, float *scores) {
+    const int64_t D = d->head_dim, kvh = head / (d->heads / d->kv_heads);
+    const int64_t first = L->window > 0 && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0;
+    const float *q = qkv_row + head * D;
+    float *out = out_row + head * D;
+    if (D == 64) attend_64(d, L, q, out, first, pos, table, kvh, scores);
+    else if (D == 128) attend_128(d, L, q, out, first, pos, table, kvh, scores);
+    else attend_any(d, L, q, out, first, pos, table, kvh, scores);
+}
+
+/* h [m][hidden] (the embeddings in, the last layer's residual stream out) through n_layers layers.
+   positions [m], tables [m][table_width] (block ids), cos/sin [m][head_dim]. Returns 0, or -1 when
+   out of memory (nothing of h is then defined). */
+int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *layers, int64_t n_layers, float *h,
+                            int64_t m, const int64_t *positions, const int64_t *tables, const float *cos,
+                            const float *sin, int threads) {
+    const int64_t H = d->hidden, D = d->head_dim, I = d->intermediate;
+    const int64_t nqkv = (d->heads + 2 * d->kv_heads) * D, nattn = d->heads * D;
+    int64_t max_len = 1;
+    for (int64_t r = 0; r < m; r++) max_len = positions[r] + 1 > max_len ? positions[r] + 1 : max_len;
+    /* Shared buffers: normed input, q/k/v, attention output, gate/up, the activation, and a
+       scratch row set for products added into the residual stream. */
+    size_t shared = (size_t)m * (H + nqkv + nattn + 2 * I + I + (H > I ? H : I));
+    float *buf = malloc(shared * sizeof(float));
+    if (!buf || D > 512) { free(buf); return -1; }
+    float *xn = buf, *qkv = xn + m * H, *attn = qkv + m * nqkv, *gu = attn + m * nattn, *act = gu + m * 2 * I,
+          *tmp = act + m * I;
+    spin_barrier bar = {0, 0, 1};
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        int t, nt, sense = 0;
+        team(&t, &nt);
+        float *scores = malloc((size_t)max_len * sizeof(float));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        int64_t a, b;
+        #pragma omp single
+        bar.n = nt;  /* the team OpenMP gave, which may be smaller than asked */
+        /* (the single's implicit barrier publishes bar.n and any failure) */
+        if (!failed) {
+            for (int64_t l = 0; l < n_layers; l++) {
+                const magnitude_layer *L = layers + l;
+                rms_norm_rows(h, L->in_norm, xn, m, H, d->eps, t, nt);
+                barrier_wait(&bar, &sense);
+                share(nqkv, t, nt, &a, &b);
+                int4_share(xn, m, H, L->qkv_codes, L->qkv_scales, L->qkv_mins, L->qkv_bias, qkv, nqkv, a, b, 0, 0);
+                barrier_wait(&bar, &sense);
+                for (int64_t item = t; item < m * d->kv_heads; item += nt) {
+                    int64_t r = item / d->kv_heads;
+                    rope_and_store(d, L, qkv + r * nqkv, positions[r], tables + r * d->table_width, cos + r * D,
+                                   sin + r * D, item % d->kv_heads);
+                }
+                barrier_wait(&bar, &sense);
+                for (int64_t item = t; item < m * d->heads; item += nt) {
+                    int64_t r = item / d->heads;
+                    attend(d, L, qkv + r * nqkv, attn + r * nattn, positions[r], tables + r * d->table_width,
+                           item % d->heads, scores);
+                }
+                barrier_wait(&bar, &sense);
+                share(H, t, nt, &a, &b);
+                int4_share(attn, m, nattn, L->o_codes, L->o_scales, L->o_mins, L->o_bias, h, H, a, b, 1, tmp);
+                barrier_wait(&bar, &sense);
+                rms_norm_rows(h, L->post_norm, xn, m, H, d->eps, t, nt);
+                barrier_wait(&bar, &sense);
+                /* Gate channel j and up channel j in the same thread, so the activation needs no barrier. */
+                share(I, t, nt, &a, &b);
+                int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, a, b, 0, 0);
+                int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0);
+                for (int64_t r = 0; r < m; r++)
+                    for (int64_t j = a; j < b; j++) {
+                        float g = gu[r * 2 * I + j];
+                        act[r * I + j] = g / (1.0f + expf(-g)) * gu[r * 2 * I + I + j];
+                    }
+                barrier_wait(&bar, &sense);
+                share(H, t, nt, &a, &b);
+                int4_share(act, m, I, L->down_codes, L->down_scales, L->down_mins, L->down_bias, h, H, a, b, 1, tmp);
+                barrier_wait(&bar, &sense);
+            }
+        }
+        free(scores);
+    }
+    free(buf);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,212 @@
+"""The fused step (runner/fused_decode.py, `magnitude_decode_layers`) against the lean forward on the
+same w4a16 model and the same paged batch: decode steps at several contexts over scattered blocks,
+and a step with short chunks, per family (Llama; Mistral and Qwen2 with 8-token windows; Qwen2's q/k/v
+biases). It sums in its own order, so hidden states agree to fp32 rounding, not bit for bit; the
+K/V it writes into the pool must be the lean forward's. A row's result must not depend on the
+rows batched with it or on the thread count. Steps with a long chunk, and models it does not run,
+keep the lean forward. Tests print the CPU and kernel build."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from magnitude.runner import lowbit  # noqa: E402
+from magnitude.runner.attention import SeqSlice, build_paged_batch  # noqa: E402
+from magnitude.runner.fused_decode import FUSED_MAX_CHUNK_CONTEXT, FUSED_MAX_ROWS, fused_decoder, runs_fused  # noqa: E402
+from magnitude.runner.paged_decoder import lean_family, lean_forward, paged_decoder  # noqa: E402
+from magnitude.runner.quant_eval import kernel_description  # noqa: E402
+
+from .test_paged_decoder import BLOCK, SEQS, _runner, _step  # noqa: E402
+from .tiny_models import build_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+# Decodes only: contexts 5, 40 (scattered blocks), 150 (11 scattered blocks, past any 8-token
+# window) and 0 (a one-token prompt is a decode-shaped row too).
+DECODES = [([0], 5, 1), ([1, 2, 4], 40, 1), ([10, 3, 12, 5, 14, 7, 16, 6, 18, 11, 22], 150, 1), ([20], 0, 1)]
+# Relative difference from the lean forward: fp32 sums in another order through 2 layers,
+# measured on AVX2 at most 1.6e-6 on the tiny models (bound ~6x that), 3.8e-7 on SmolLM2.
+TINY_TOLERANCE = 1e-5
+
+
+def _native_or_skip() -> lowbit.LowbitKernels:
+    k = lowbit.kernels()
+    if k is None:
+        pytest.skip(f"no native build here: {lowbit.describe()}")
+    return k
+
+
+def _prefill(runner, seqs, gen):
+    lean = _lean(runner)
+    with torch.inference_mode():
+        lean(*_step(runner, seqs, False, gen))
+
+
+def _lean(runner):
+    inner = runner.model.model
+    family = lean_family(inner)
+    return lambda ids, pos, batch: lean_forward(inner, family, ids, pos, batch)
+
+
+def _both(runner, seqs, seed=0):
+    """(fused, lean) hidden states of the same decode step from the same cache, and the caches each
+    left, [layers] of (k, v)."""
+    inner = runner.model.model
+    fused = paged_decoder(inner)
+    gen = torch.Generator().manual_seed(seed)
+    _prefill(runner, seqs, gen)
+    before = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
+    step = _step(runner, seqs, True, gen)
+    with torch.inference_mode():
+        want = _lean(runner)(*step).clone()
+        lean_cache = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
+        for (k, v), (k0, v0) in zip(zip(runner.kv.k_layers, runner.kv.v_layers), before):
+            k.copy_(k0)
+            v.copy_(v0)
+        got = fused(*step).clone()
+    fused_cache = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
+    return got, want, fused_cache, lean_cache
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _close_caches(fused_cache, lean_cache, tolerance):
+    for (fk, fv), (lk, lv) in zip(fused_cache, lean_cache):
+        assert _rel(fk, lk) < tolerance and _rel(fv, lv) < tolerance
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral-sliding", "qwen2", "qwen2-sliding"])
+def test_a_decode_step_matches_the_lean_forward(arch, tmp_path):
+    _native_or_skip()
+    runner = _runner(build_tiny_model(arch, tmp_path / arch), quantization="w4a16")
+    got, want, fused_cache, lean_cache = _both(runner, DECODES)
+    print(f"\n{arch} w4a16 fused vs lean: {_rel(got, want):.1e} on {kernel_description('w4a16')}")
+    assert got.shape == want.shape and _rel(got, want) < TINY_TOLERANCE
+    _close_caches(fused_cache, lean_cache, TINY_TOLERANCE)
+
+
+def test_a_dropped_window_would_fail(tmp_path, monkeypatch):
+    """The windowed comparison can fail: handing the C step no window changes the output."""
+    _native_or_skip()
+    from magnitude.runner import fused_decode
+
+    runner = _runner(build_tiny_model("mistral-sliding", tmp_path / "m"), quantization="w4a16")
+    real = fused_decode.fused_decoder
+    monkeypatch.setattr("magnitude.runner.paged_decoder.fused_decoder", lambda inner, window: real(inner, lambda a: None))
+    got, want, _f, _l = _both(runner, DECODES)
+    assert _rel(got, want) > 1e-3
+
+
+def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(tmp_path):
+    _native_or_skip()
+    runner = _runner(build_tiny_model("qwen2-sliding", tmp_path / "q"), quantization="w4a16")
+    fused = paged_decoder(runner.model.model)
+    gen = torch.Generator().manual_seed(5)
+    _prefill(runner, DECODES, gen)
+    snapshot = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
+
+    def restore():
+        for (k, v), (k0, v0) in zip(zip(runner.kv.k_layers, runner.kv.v_layers), snapshot):
+            k.copy_(k0)
+            v.copy_(v0)
+
+    ids, pos, batch = _step(runner, DECODES, True, gen)
+    with torch.inference_mode():
+        together = fused(ids, pos, batch).clone()
+        for i, seq in enumerate(DECODES):
+            restore()
+            alone_step = _step(runner, [seq], True, torch.Generator())
+            alone = fused(ids[:, i : i + 1], pos[:, i : i + 1], alone_step[2])
+            assert torch.equal(alone[0], together[i]), i
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                restore()
+                assert torch.equal(fused(ids, pos, batch), together)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_a_step_with_short_chunks_runs_fused_and_matches(tmp_path):
+    """The mixed step of the lean forward's tests (decodes, a 23-token chunk at position 150 over
+    scattered blocks, a fresh 9-token prompt) qualifies: its chunks attend to few keys."""
+    _native_or_skip()
+    runner = _runner(build_tiny_model("qwen2-sliding", tmp_path / "q"), quantization="w4a16")
+    assert runs_fused(_step(runner, SEQS, True, torch.Generator())[2])
+    got, want, fused_cache, lean_cache = _both(runner, SEQS, seed=1)
+    assert _rel(got, want) < TINY_TOLERANCE
+    _close_caches(fused_cache, lean_cache, TINY_TOLERANCE)
+
+
+def test_a_step_with_a_long_chunk_runs_the_lean_forward_bit_for_bit(tmp_path):
+    _native_or_skip()
+    runner = _runner(build_tiny_model("llama", tmp_path / "l"), quantization="w4a16")
+    inner = runner.model.model
+    seqs = [([0], 5, 1), ([1, 2, 3, 4, 5, 6], 10, FUSED_MAX_ROWS)]  # one row over the limit
+    gen = torch.Generator().manual_seed(1)
+    _prefill(runner, seqs, gen)
+    step = _step(runner, seqs, True, gen)
+    assert not runs_fused(step[2])
+    snapshot = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
+    with torch.inference_mode():
+        want = _lean(runner)(*step).clone()
+        for (k, v), (k0, v0) in zip(zip(runner.kv.k_layers, runner.kv.v_layers), snapshot):
+            k.copy_(k0)
+            v.copy_(v0)
+        assert torch.equal(paged_decoder(inner)(*step), want)
+
+
+def test_which_steps_run_fused(tmp_path):
+    """Decodes at any context; chunks while the step has at most FUSED_MAX_ROWS rows and its chunk
+    rows attend to FUSED_MAX_CHUNK_CONTEXT keys or fewer on average."""
+    runner = _runner(build_tiny_model("llama", tmp_path / "l"))
+
+    def batch(seqs):  # (tokens cached, tokens this step); block tables are not read
+        slices, offset = [], 0
+        for cached, n in seqs:
+            slices.append(SeqSlice(offset, n, cached, list(range(-(-(cached + n) // BLOCK)))))
+            offset += n
+        return build_paged_batch(slices, BLOCK, runner.kv.k_layers, runner.kv.v_layers, runner.device)
+
+    assert runs_fused(batch([(3000, 1)] * 8))  # decodes only, long contexts
+    assert runs_fused(batch([(100, 1)] * 8 + [(0, FUSED_MAX_ROWS - 8)]))
+    assert not runs_fused(batch([(100, 1)] * 8 + [(0, FUSED_MAX_ROWS - 7)]))  # one row too many
+    deep = FUSED_MAX_CHUNK_CONTEXT - 8  # 16 rows at positions deep..deep+15: mean keys deep + 8.5
+    assert runs_fused(batch([(deep - 1, 16)]))
+    assert not runs_fused(batch([(deep + 1, 16)]))
+    assert not runs_fused(batch([(1000, 16), (5, 1)]))
+
+
+@pytest.mark.parametrize("dtype,quantization,kernel", [("float32", "none", ""), ("float32", "w8a16", ""),
+                                                       ("bfloat16", "w4a16", ""), ("float32", "w4a16", "torch")])
+def test_models_it_does_not_run_keep_the_lean_forward(tmp_path, monkeypatch, dtype, quantization, kernel):
+    if kernel:
+        monkeypatch.setenv(lowbit.KERNEL_ENV, kernel)
+    runner = _runner(build_tiny_model("llama", tmp_path / "l"), dtype=dtype, quantization=quantization)
+    inner = runner.model.model
+    assert fused_decoder(inner, lean_family(inner).window) is None
+
+
+def test_the_real_models_decode_step(runner_w4a16):
+    """SmolLM2 w4a16: 30 layers, 9 query heads over 3 KV heads."""
+    seqs = [([60 + b for b in table], cached, n) for table, cached, n in DECODES]
+    got, want, fused_cache, lean_cache = _both(runner_w4a16, seqs, seed=2)
+    print(f"\nSmolLM2 w4a16 fused vs lean: {_rel(got, want):.1e} on {kernel_description('w4a16')}")
+    assert _rel(got, want) < 1e-4
+    _close_caches(fused_cache, lean_cache, 1e-4)
+
+
+@pytest.fixture(scope="module")
+def runner_w4a16():
+    _native_or_skip()
+    from magnitude.runner import ModelRunner
+
+    from .conftest import MODEL
+
+    return ModelRunner(MODEL, device="cpu", dtype="float32", block_size=BLOCK, num_blocks=128, seed=0,
+                       quantization="w4a16", evaluate_quantization=False, warmup=False)

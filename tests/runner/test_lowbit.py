@@ -1,0 +1,191 @@
+"""Magnitude's low-bit CPU kernels (`runner/lowbit.py`, `lowbit_kernels.c`): built for this CPU, and
+for no SIMD at all, they must compute the dequantized matmul in fp32, give a row the same bits
+whatever rows share its batch and however many threads run, and leave torch's kernels in charge,
+with the reason logged, where no compiler is found. Each test prints the CPU and the build it ran."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from magnitude.runner import lowbit  # noqa: E402
+from magnitude.runner.quant_eval import isa_description  # noqa: E402
+from magnitude.runner.quantize import Int4WeightOnlyLinear, WeightOnlyInt8Linear  # noqa: E402
+
+# No -march: on x86-64 the build takes the portable C path, the one a CPU without AVX2 runs.
+PORTABLE_FLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC")
+
+
+@pytest.fixture(scope="module")
+def native() -> lowbit.LowbitKernels:
+    k = lowbit.kernels()
+    if k is None:
+        pytest.skip(f"no native build here: {lowbit.describe()}")
+    return k
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory: pytest.TempPathFactory) -> lowbit.LowbitKernels:
+    try:
+        path = lowbit.build(tmp_path_factory.mktemp("portable"), flags=PORTABLE_FLAGS)
+    except lowbit.LowbitKernelError as e:
+        pytest.skip(str(e))
+    k = lowbit.load(path)
+    assert k.isa == "generic"
+    return k
+
+
+@pytest.fixture(params=["native", "portable"])
+def kernel(request: pytest.FixtureRequest) -> lowbit.LowbitKernels:
+    k = request.getfixturevalue(request.param)
+    print(f"\nlowbit kernels {k.name} on {isa_description()}")
+    return k
+
+
+def int4_weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [N, K] 0..15, packed [N, K/2], scales, mins [N, K/32]) with GGUF-like magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    halves = codes.reshape(n, k // 32, 2, 16)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8).reshape(n, k // 2).contiguous()
+    scales = torch.rand(n, k // 32, generator=g) * 0.02 + 0.002
+    mins = -8 * scales - torch.rand(n, k // 32, generator=g) * 0.01
+    return codes, packed, scales, mins
+
+
+def dequantized_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    return (codes.reshape(n, k // 32, 32).double() * scales.double()[..., None]
+            + mins.double()[..., None]).reshape(n, k)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("k,n", [(32, 7), (96, 37), (576, 101)])
+def test_int4_matmul_is_the_dequantized_product(kernel, m, k, n):
+    codes, packed, scales, mins = int4_weights(n, k, seed=m * 1000 + k + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    got = kernel.int4_matmul(x, packed, scales, mins)
+    exact = x.double() @ dequantized_int4(codes, scales, mins).t()
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    # fp32 throughout: the error is summation rounding, ~1e-7 relative (a bf16 path would be ~1e-3).
+    assert rel(got, exact) < 2e-6, rel(got, exact)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("k,n", [(32, 7), (96, 37), (576, 101)])
+def test_int8_matmul_is_the_dequantized_product(kernel, m, k, n):
+    g = torch.Generator().manual_seed(m + k + n)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.01 + 1e-4
+    x = torch.randn(m, k, generator=g)
+    got = kernel.int8_matmul(x, codes, scales)
+    exact = x.double() @ (codes.double() * scales.double()[:, None]).t()
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert rel(got, exact) < 2e-6, rel(got, exact)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
+    """A row's bits are the same alone, in any batch (passes of 8, 4, 2, 1 rows), and with one or
+    two threads: the runner and an unbatched reference then agree exactly, and a request's output
+    does not depend on what it was batched with."""
+    codes, packed, scales, mins = int4_weights(200, 576, seed=3)
+    q8 = torch.randint(-127, 128, (200, 576), dtype=torch.int8)
+    s8 = torch.rand(200) * 0.01
+    x = torch.randn(15, 576)
+    batched4 = kernel.int4_matmul(x, packed, scales, mins)
+    batched8 = kernel.int8_matmul(x, q8, s8)
+    for r in range(x.shape[0]):
+        assert torch.equal(kernel.int4_matmul(x[r : r + 1].contiguous(), packed, scales, mins)[0], batched4[r])
+        assert torch.equal(kernel.int8_matmul(x[r : r + 1].contiguous(), q8, s8)[0], batched8[r])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel.int4_matmul(x, packed, scales, mins), batched4)
+        assert torch.equal(kernel.int8_matmul(x, q8, s8), batched8)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_modules_use_the_native_kernel_and_match_torchs(native, monkeypatch):
+    """The w4a16 and int8 weight-only linears built with the kernel agree with the same linears on
+    torch's kernels (bf16 activations there, so to bf16's precision), and say which ran."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(576, 96, bias=True)
+    x = torch.randn(3, 576)
+    fast4, fast8 = Int4WeightOnlyLinear(lin), WeightOnlyInt8Linear(lin, torch.bfloat16)
+    monkeypatch.setenv(lowbit.KERNEL_ENV, "torch")
+    slow4, slow8 = Int4WeightOnlyLinear(lin), WeightOnlyInt8Linear(lin, torch.bfloat16)
+    assert fast4.kernel is native and fast8.kernel is native and slow4.kernel is None and slow8.kernel is None
+    assert "fp32 (magnitude-" in repr(fast4) and "bf16 (torch)" in repr(slow4)
+    assert "float32 (magnitude-" in repr(fast8) and "bfloat16 (torch)" in repr(slow8)
+    print(f"\n{native.name} vs torch on {isa_description()}: int4 {rel(fast4(x), slow4(x)):.1e}, "
+          f"int8 {rel(fast8(x), slow8(x)):.1e}")
+    assert rel(fast4(x), slow4(x)) < 1e-2 and rel(fast8(x), slow8(x)) < 1e-2
+    assert rel(fast4(x), lin(x)) < 0.1 and rel(fast8(x), lin(x)) < 0.02
+
+
+def test_a_cached_build_is_reused_and_keyed_by_the_cpu(tmp_path, monkeypatch):
+    first = lowbit.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert lowbit.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.setattr(lowbit, "_cpu_identity", lambda: "another CPU")
+    other = lowbit.build(tmp_path)
+    assert other != first and other.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_concurrent_builds_leave_one_whole_library(tmp_path):
+    paths: list[Path] = []
+    errors: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            paths.append(lowbit.build(tmp_path))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(paths)) == 1
+    lowbit.load(paths[0])  # loads: not a half-written file
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_without_a_compiler_torch_kernels_serve_and_the_reason_is_logged(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(lowbit, "_loaded", None)
+    monkeypatch.setattr(lowbit, "_failure", None)
+    with caplog.at_level(logging.WARNING, logger="magnitude.runner.lowbit"):
+        assert lowbit.kernels() is None
+    assert "no C compiler found" in caplog.text
+    assert lowbit.describe().startswith("torch (no C compiler found")
+    q = Int4WeightOnlyLinear(torch.nn.Linear(64, 16))
+    assert q.kernel is None and q(torch.randn(2, 64)).shape == (2, 16)
+    monkeypatch.setenv(lowbit.KERNEL_ENV, "native")
+    with pytest.raises(lowbit.LowbitKernelError, match="native: no C compiler found"):
+        lowbit.kernels()
+
+
+def test_a_failing_build_names_the_command_and_the_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(lowbit, "SOURCE", tmp_path / "broken.c")
+    (tmp_path / "broken.c").write_text("this is not C\n")
+    with pytest.raises(lowbit.LowbitKernelError, match=r"broken\.c exited 1: .*error"):
+        lowbit.build(tmp_path / "out")
+
+
+def test_an_unknown_kernel_choice_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(lowbit.KERNEL_ENV, "fast")
+    with pytest.raises(lowbit.LowbitKernelError, match="MAGNITUDE_LOWBIT_KERNEL='fast': expected native or torch"):
+        lowbit.kernels()
