@@ -117,7 +117,7 @@ def _profile(runner: ModelRunner, timers: Timers, decodes: int, prefill: int, co
         st = runner.last_step
         prepare, sample, total = prepare + st.prepare_s, sample + st.sample_s, total + st.total_s
     n = steps
-    t = {k: v / n for k, v in timers.total.items()}
+    t = defaultdict(float, {k: v / n for k, v in timers.total.items()})  # a fused step fires no inner hooks
     core = t["paged attention core (cache write, gather, SDPA)"]
     rows = [
         ("paged attention core (cache write, gather, SDPA)", core),
@@ -343,6 +343,10 @@ def main() -> int:
     paged.AttentionInterface.register(paged.ATTN_IMPLEMENTATION, timed_attention)
     what = (f"device {runner.device}, dtype {runner.dtype}, quantization {runner.quantization}, "
             f"threads {torch.get_num_threads()}, ISA {torch.backends.cpu.get_cpu_capability()}")
+    family = lean_family(runner.model.model)
+    if family is not None and fused_decoder(runner.model.model, family.window) is not None:
+        # No hooks fire inside the native call: its projections and attention land in "glue".
+        what += "; steps runs_fused takes run the decoder layers in one native call (their whole time is in 'glue')"
     if not args.sweep:
         mean, rows = _profile(runner, timers, args.decodes, args.prefill, args.context, args.prefill_start, args.steps)
         print(f"step: {args.decodes} decodes (context {args.context}) + {args.prefill}-token prefill chunk at "

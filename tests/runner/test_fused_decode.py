@@ -161,6 +161,32 @@ def test_a_step_with_a_long_chunk_runs_the_lean_forward_bit_for_bit(tmp_path):
         assert torch.equal(paged_decoder(inner)(*step), want)
 
 
+def test_the_portable_build_runs_a_step_of_more_than_eight_rows(tmp_path, monkeypatch):
+    """The C without AVX2 (what an ARM or older x86 CPU builds) over 12 decodes and a short chunk:
+    its products take rows in passes of 8, so 20 rows cross a pass boundary."""
+    from .test_lowbit import PORTABLE_FLAGS
+
+    portable = lowbit.load(lowbit.build(tmp_path / "portable", flags=PORTABLE_FLAGS))
+    assert portable.isa == "generic"
+    monkeypatch.setattr(lowbit, "_loaded", portable)
+    runner = _runner(build_tiny_model("qwen2", tmp_path / "q"), quantization="w4a16")
+    seqs = [([b], 3 + b, 1) for b in range(12)] + [([20, 21], 4, 8)]
+    assert runs_fused(_step(runner, seqs, True, torch.Generator())[2])
+    got, want, fused_cache, lean_cache = _both(runner, seqs, seed=3)
+    print(f"\nportable build fused vs lean: {_rel(got, want):.1e}")
+    assert got.shape[0] == 20 and _rel(got, want) < TINY_TOLERANCE
+    _close_caches(fused_cache, lean_cache, TINY_TOLERANCE)
+
+
+def test_a_block_id_outside_the_pool_is_refused_before_the_native_call(tmp_path):
+    _native_or_skip()
+    runner = _runner(build_tiny_model("llama", tmp_path / "l"), quantization="w4a16")
+    ids, pos, batch = _step(runner, DECODES, True, torch.Generator())
+    batch.row_tables[1, 0] = runner.kv.k_layers[0].shape[0] // BLOCK  # one past the last block
+    with pytest.raises(ValueError, match="outside the pool"):
+        paged_decoder(runner.model.model)(ids, pos, batch)
+
+
 def test_which_steps_run_fused(tmp_path):
     """Decodes at any context; chunks while the step has at most FUSED_MAX_ROWS rows and its chunk
     rows attend to FUSED_MAX_CHUNK_CONTEXT keys or fewer on average."""

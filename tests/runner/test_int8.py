@@ -142,12 +142,26 @@ def _quantized_linears(model):
     return [m for m in model.modules() if isinstance(m, (Int8Linear, WeightOnlyInt8Linear, Int4WeightOnlyLinear))]
 
 
+def _break_batched_products(runner, monkeypatch) -> None:
+    """Inject the tail-columns defect into every quantized linear of `runner`, and run its steps
+    through the modules: a w4a16 runner's fused step (runner/fused_decode.py) reads the weights
+    itself and would never call the broken forwards. The fused step has its own comparison with
+    the lean forward (tests/runner/test_fused_decode.py)."""
+    from magnitude.runner.paged_decoder import lean_family, lean_forward
+
+    for module in _quantized_linears(runner.model):
+        _drop_tail_columns_of_multi_row_products(module, monkeypatch)
+    inner = runner.model.model
+    family = lean_family(inner)
+    if family is not None:
+        monkeypatch.setattr(runner, "_decoder", lambda ids, pos, batch: lean_forward(inner, family, ids, pos, batch))
+
+
 def test_the_criterion_catches_a_runner_whose_batched_products_are_wrong(quantized_runner, reference, method,
                                                                           prompt_ids, monkeypatch):
     """What the per-token bounds are for: a defect in the runner's path only (the reference runs its
     own, intact modules) must exceed them."""
-    for module in _quantized_linears(quantized_runner.model):
-        _drop_tail_columns_of_multi_row_products(module, monkeypatch)
+    _break_batched_products(quantized_runner, monkeypatch)
     d = deviation(reference, _run(quantized_runner, prompt_ids[:3], max_new=4))
     max_gap, max_logprob = BOUNDS[method]
     assert d.worst_gap > max_gap or d.worst_logprob > max_logprob, d
@@ -156,8 +170,7 @@ def test_the_criterion_catches_a_runner_whose_batched_products_are_wrong(quantiz
 def test_a_kernel_broken_on_every_path_fails_the_closeness_to_fp32(runner, quantized_runner, method, monkeypatch):
     """A kernel bug shared by the runner and its quantized reference is invisible to the comparison
     above; the comparison with fp32 (and the evaluation record, which measures the same) catches it."""
-    for module in _quantized_linears(quantized_runner.model):
-        _drop_tail_columns_of_multi_row_products(module, monkeypatch)
+    _break_batched_products(quantized_runner, monkeypatch)
     ids = runner.tokenizer(" ".join(PROMPTS))["input_ids"]
     agreement, kl = agreement_and_kl(runner.score_tokens(ids, 32), quantized_runner.score_tokens(ids, 32))
     least, most = CLOSE_TO_FP32[method]

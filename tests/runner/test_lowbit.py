@@ -181,7 +181,7 @@ def test_without_a_compiler_torch_kernels_serve_and_the_reason_is_logged(monkeyp
 def test_a_failing_build_names_the_command_and_the_error(tmp_path, monkeypatch):
     monkeypatch.setattr(lowbit, "SOURCE", tmp_path / "broken.c")
     (tmp_path / "broken.c").write_text("this is not C\n")
-    with pytest.raises(lowbit.LowbitKernelError, match=r"broken\.c exited 1: .*error"):
+    with pytest.raises(lowbit.LowbitKernelError, match=r"broken\.c -lm exited 1: .*error"):
         lowbit.build(tmp_path / "out")
 
 

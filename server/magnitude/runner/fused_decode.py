@@ -20,6 +20,7 @@ difference and checks that a row's result does not depend on its batch or the th
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +31,8 @@ from torch import nn
 from magnitude.runner import lowbit
 from magnitude.runner.attention import PagedBatch
 from magnitude.runner.quantize import Int4Group, Int4WeightOnlyLinear
+
+log = logging.getLogger(__name__)
 
 
 class _Dims(ctypes.Structure):
@@ -106,7 +109,10 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     """The fused forward for `inner` (already accepted by paged_decoder.lean_family, whose
     `window(attn)` gives each layer's sliding window), or None when the model is not one it runs:
     not w4a16 on Magnitude's kernels throughout, not fp32, or not SiLU. The forward returns None for
-    a step `choose` declines (by default `runs_fused`), for the caller to run the lean forward."""
+    a step `choose` declines (by default `runs_fused`), for the caller to run the lean forward.
+
+    The weights' addresses are taken now (their tensors kept alive with the forward): a model whose
+    modules or buffers are replaced later needs a new forward, as runner.py builds after quantizing."""
     from magnitude.runner.paged_decoder import _fused_group  # paged_decoder imports this module
 
     kernel = lowbit.kernels()
@@ -164,23 +170,33 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor | None:
         if not choose(batch):
             return None
-        if batch.k_layers[0].dtype != torch.float32:
+        pool = batch.k_layers
+        if len(pool) < len(layers) or any(t.dtype != torch.float32 or not t.is_contiguous()
+                                          for t in (*pool[: len(layers)], *batch.v_layers[: len(layers)])):
             return None
+        tables = np.ascontiguousarray(batch.row_tables, dtype=np.int64)
+        positions = np.ascontiguousarray(batch.row_positions, dtype=np.int64)
+        # The C code indexes the pool with these unchecked, where torch's index ops would raise.
+        blocks = pool[0].shape[0] // batch.block_size
+        if tables.size and (tables.min() < 0 or tables.max() >= blocks or positions.min() < 0
+                            or positions.max() // batch.block_size >= tables.shape[1]):
+            raise ValueError(f"fused step: a block id outside the pool's {blocks} blocks or a position past its table")
         h = inner.embed_tokens(input_ids)[0].contiguous()  # [T, hidden], fresh: updated in place
         cos, sin = rotary(h, position_ids=position_ids)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
-        rows = h.shape[0]
-        tables = np.ascontiguousarray(batch.row_tables, dtype=np.int64)
-        positions = np.ascontiguousarray(batch.row_positions, dtype=np.int64)
+        if cos.shape[-1] != head_dim:  # partial rotary: not something these families do
+            return None
         for i in range(len(layers)):
-            table[i].k_cache = batch.k_layers[i].data_ptr()
+            table[i].k_cache = pool[i].data_ptr()
             table[i].v_cache = batch.v_layers[i].data_ptr()
         d = _Dims(block_size=batch.block_size, table_width=tables.shape[1], **dims)
-        rc = lib.magnitude_decode_layers(ctypes.byref(d), table, len(layers), h.data_ptr(), rows,
+        rc = lib.magnitude_decode_layers(ctypes.byref(d), table, len(layers), h.data_ptr(), h.shape[0],
                                          positions.ctypes.data, tables.ctypes.data, cos.data_ptr(), sin.data_ptr(),
                                          torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("the fused decode step could not allocate its buffers")
+        if rc != 0:  # nothing was written: the lean forward runs the step
+            log.warning("fused step declined (%s); this step runs the lean forward",
+                        "out of memory" if rc == -1 else "a shape it does not take")
+            return None
         return h
 
     forward.keep = keep  # type: ignore[attr-defined]

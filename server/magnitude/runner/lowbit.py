@@ -9,8 +9,8 @@ linears call these kernels where they load and fall back to torch's where not.
 
 The C source is compiled at first use with the system C compiler for this CPU (`-march=native`,
 OpenMP) into `$MAGNITUDE_CACHE/kernels/lowbit-<key>.so`, the key hashing the source, the compiler,
-the flags and the CPU (its model and feature flags), so pods of different CPUs sharing a cache
-volume each get their own build. A build takes about a second. No compiler, or a failed build,
+the flags and the CPU (its model and feature flags, and what `-march=native` resolves to), so pods
+of different CPUs sharing a cache volume each get their own build. A build takes about a second. No compiler, or a failed build,
 means torch's kernels, logged once. `MAGNITUDE_LOWBIT_KERNEL=torch` keeps torch's kernels;
 `=native` makes a missing build an error (tests compare the two).
 """
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 KERNEL_ENV = "MAGNITUDE_LOWBIT_KERNEL"
 SOURCE = Path(__file__).with_name("lowbit_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
 # Both layouts work on groups of 32 input channels (int4's quantization groups; int8's vector width).
 K_MULTIPLE = 32
 
@@ -62,6 +63,8 @@ class LowbitKernels:
                     mins: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 @ W^T -> [M, N] fp32; W as codes [N, K/2] uint8, scales/mins [N, K/32] fp32."""
         m, k = x.shape
+        if k % K_MULTIPLE or codes.shape[1] * 2 != k:
+            raise ValueError(f"int4 product: x has {k} columns, the weights {codes.shape[1] * 2} (a multiple of 32)")
         y = torch.empty(m, codes.shape[0], dtype=torch.float32)
         self.lib.magnitude_int4_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
                                        mins.data_ptr(), y.data_ptr(), torch.get_num_threads())
@@ -70,6 +73,8 @@ class LowbitKernels:
     def int8_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 @ W^T -> [M, N] fp32; W as codes [N, K] int8 times scales [N] fp32."""
         m, k = x.shape
+        if k % K_MULTIPLE or codes.shape[1] != k:
+            raise ValueError(f"int8 product: x has {k} columns, the weights {codes.shape[1]} (a multiple of 32)")
         y = torch.empty(m, codes.shape[0], dtype=torch.float32)
         self.lib.magnitude_int8_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
                                        y.data_ptr(), torch.get_num_threads())
@@ -102,6 +107,18 @@ def _cpu_identity() -> str:
     return platform.machine() + "\n" + "".join(lines)
 
 
+def _native_target(cc: str) -> str:
+    """What `-march=native` resolves to for this compiler on this CPU (its driver's verbose command
+    lines name the CPU and its features), so a build is never reused on another CPU even where
+    /proc/cpuinfo cannot be read; empty if the driver does not say."""
+    try:
+        done = subprocess.run([cc, "-march=native", "-E", "-v", "-"], input="", capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return "\n".join(line for line in done.stderr.splitlines() if "march" in line or "target-cpu" in line)
+
+
 def _compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc:
@@ -121,7 +138,7 @@ def build(directory: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path
         raise LowbitKernelError(f"{cc} --version failed: {e}") from e
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
-                                     _cpu_identity().encode()])).hexdigest()[:24]
+                                     _cpu_identity().encode(), _native_target(cc).encode()])).hexdigest()[:24]
     directory = directory or cache_root() / "kernels"
     target = directory / f"lowbit-{key}.so"
     if target.exists():
@@ -129,10 +146,11 @@ def build(directory: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path
     directory.mkdir(parents=True, exist_ok=True)
     # Built under a name of its own and renamed: processes sharing the volume never load half a file.
     tmp = directory / f".lowbit-{key}.{os.getpid()}.{threading.get_ident()}.so"
-    cmd = [cc, *flags, "-o", str(tmp), str(SOURCE)]
+    cmd = [cc, *flags, "-o", str(tmp), str(SOURCE), *LIBS]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
+        tmp.unlink(missing_ok=True)
         raise LowbitKernelError(f"{' '.join(cmd)} failed: {e}") from e
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)

@@ -9,8 +9,8 @@
    - int4: codes [n][k/2] bytes; per group of 32 inputs 16 bytes, low nibbles are inputs 0..15 and
      high nibbles 16..31 (GGUF Q4_1's order); w = code * scale[n][k/32] + min[n][k/32].
    - int8: codes [n][k] signed bytes; w = code * scale[n].
-   k is a multiple of 32 for both (lowbit.py checks). Threads: OpenMP, the runtime torch already
-   loaded, so the pools are shared. */
+   k is a multiple of 32 for both (lowbit.py's wrappers and fused_decode.py check). Threads: OpenMP,
+   the runtime torch already loaded (gcc's libgomp), so the pools are shared. */
 #include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -43,8 +43,7 @@ static void team(int *t, int *nt) {
 #endif
 }
 
-/* Thread t's share [a, b) of n output channels, in multiples of 8 so that each thread's output
-   stores stay off the others' cache lines. */
+/* Thread t's share [a, b) of n output channels, in multiples of 8 (whole AVX2 vectors of output). */
 static void share(int64_t n, int t, int nt, int64_t *a, int64_t *b) {
     int64_t per = ((n + nt - 1) / nt + 7) / 8 * 8;
     *a = t * per < n ? t * per : n;
@@ -161,11 +160,11 @@ DEFINE_ROWS(int8, 1, 1)
 
 #else
 /* Portable C for CPUs without AVX2 (the compiler vectorises it for the target it builds for). */
-static void int4_rows(const float *x, int m, int64_t k, const void *codes_, const float *scales,
+static void int4_pass(const float *x, int m, int64_t k, const void *codes_, const float *scales,
                       const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *c = (const uint8_t *)codes_ + n * (k / 2);
-        float acc[ROWS_PER_PASS] = {0};
+        float acc[ROWS_PER_PASS] = {0};  /* m <= ROWS_PER_PASS: int4_rows passes at most that many */
         for (int64_t g = 0; g < k / 32; g++) {
             float w[32], s = scales[n * (k / 32) + g], mn = mins[n * (k / 32) + g];
             for (int j = 0; j < 16; j++) {
@@ -179,6 +178,14 @@ static void int4_rows(const float *x, int m, int64_t k, const void *codes_, cons
             }
         }
         for (int r = 0; r < m; r++) y[r * ldy + n] = acc[r];
+    }
+}
+
+static void int4_rows(const float *x, int m, int64_t k, const void *codes, const float *scales,
+                      const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    for (int r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
+        int rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
+        int4_pass(x + (int64_t)r0 * k, rows, k, codes, scales, mins, y + (int64_t)r0 * ldy, ldy, n0, n1);
     }
 }
 
@@ -363,8 +370,9 @@ static void attend(const magnitude_dims *d, const magnitude_layer *L, const floa
 }
 
 /* h [m][hidden] (the embeddings in, the last layer's residual stream out) through n_layers layers.
-   positions [m], tables [m][table_width] (block ids), cos/sin [m][head_dim]. Returns 0, or -1 when
-   out of memory (nothing of h is then defined). */
+   positions [m], tables [m][table_width] (block ids, checked by the caller), cos/sin [m][head_dim].
+   Returns 0; -1 when out of memory, -2 for shapes it does not take (h and the pool are then
+   unchanged, so the caller can run the step another way). */
 int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *layers, int64_t n_layers, float *h,
                             int64_t m, const int64_t *positions, const int64_t *tables, const float *cos,
                             const float *sin, int threads) {
@@ -375,8 +383,9 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
     /* Shared buffers: normed input, q/k/v, attention output, gate/up, the activation, and a
        scratch row set for products added into the residual stream. */
     size_t shared = (size_t)m * (H + nqkv + nattn + 2 * I + I + (H > I ? H : I));
+    if (m <= 0 || D > 512 || D % 2) return -2;  /* nothing to do, or a head rope() cannot hold */
     float *buf = malloc(shared * sizeof(float));
-    if (!buf || D > 512) { free(buf); return -1; }
+    if (!buf) return -1;
     float *xn = buf, *qkv = xn + m * H, *attn = qkv + m * nqkv, *gu = attn + m * nattn, *act = gu + m * 2 * I,
           *tmp = act + m * I;
     spin_barrier bar = {0, 0, 1};
