@@ -218,6 +218,16 @@ def test_models_it_does_not_run_keep_the_lean_forward(tmp_path, monkeypatch, dty
     assert fused_decoder(inner, lean_family(inner).window) is None
 
 
+def test_an_unquantized_model_never_builds_the_kernels(tmp_path, monkeypatch):
+    """paged_decoder runs for every model at load; only low-bit weights need the C build."""
+    def no_build(*_a, **_k):
+        raise AssertionError("the kernels were asked for")
+
+    monkeypatch.setattr(lowbit, "kernels", no_build)
+    runner = _runner(build_tiny_model("llama", tmp_path / "l"))
+    assert paged_decoder(runner.model.model).__name__ == "<lambda>"  # the lean forward
+
+
 def test_the_real_models_decode_step(runner_w4a16):
     """SmolLM2 w4a16: 30 layers, 9 query heads over 3 KV heads."""
     seqs = [([60 + b for b in table], cached, n) for table, cached, n in DECODES]

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from magnitude.runner.attention import SeqSlice, build_paged_batch  # noqa: E402
-from magnitude.runner.paged_decoder import lean_family, paged_decoder, transformers_decoder  # noqa: E402
+from magnitude.runner.paged_decoder import lean_family, lean_forward, paged_decoder, transformers_decoder  # noqa: E402
 from magnitude.runner.quant_eval import isa_description  # noqa: E402
 
 from .tiny_models import ARCHS, VOCAB, build_tiny_model  # noqa: E402
@@ -57,8 +57,12 @@ def _runner(path, dtype: str = "float32", quantization: str = "none"):
 
 def _compare(runner, seed: int = 0, seqs=SEQS) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(lean, transformers) hidden states of the same mixed step, and its attention group count."""
-    lean = paged_decoder(runner.model.model)
-    assert lean.__name__ in ("<lambda>", "forward") and lean_family(runner.model.model) is not None
+    inner = runner.model.model
+    family = lean_family(inner)
+    assert family is not None
+    # The lean forward itself: paged_decoder may hand a w4a16 model's short steps to the fused
+    # native step (runner/fused_decode.py), which tests/runner/test_fused_decode.py compares with this.
+    lean = lambda ids, pos, batch: lean_forward(inner, family, ids, pos, batch)  # noqa: E731
     reference_forward = transformers_decoder(runner.model.model)
     gen = torch.Generator().manual_seed(seed)
     with torch.inference_mode():

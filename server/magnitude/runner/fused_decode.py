@@ -115,12 +115,15 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     modules or buffers are replaced later needs a new forward, as runner.py builds after quantizing."""
     from magnitude.runner.paged_decoder import _fused_group  # paged_decoder imports this module
 
-    kernel = lowbit.kernels()
     config = inner.config
-    if kernel is None or getattr(config, "hidden_act", None) != "silu" or inner.embed_tokens.weight.dtype != torch.float32:
-        return None
     layers = list(inner.layers[: config.num_hidden_layers])
     if not layers:
+        return None
+    # The kernels the model's projections were built on (none for an unquantized model, which
+    # therefore never builds them); every projection is checked against it below.
+    kernel = getattr(layers[0].self_attn.o_proj, "kernel", None)
+    if not isinstance(kernel, lowbit.LowbitKernels) or getattr(config, "hidden_act", None) != "silu" \
+            or inner.embed_tokens.weight.dtype != torch.float32:
         return None
     attn0 = layers[0].self_attn
     heads, head_dim = config.num_attention_heads, attn0.head_dim
