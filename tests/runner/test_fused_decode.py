@@ -50,6 +50,17 @@ def _lean(runner):
     return lambda ids, pos, batch: lean_forward(inner, family, ids, pos, batch)
 
 
+def _pool(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of the KV pool, [layers] of (k, v)."""
+    return [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
+
+
+def _restore(runner, copy) -> None:
+    for (k, v), (k0, v0) in zip(zip(runner.kv.k_layers, runner.kv.v_layers), copy):
+        k.copy_(k0)
+        v.copy_(v0)
+
+
 def _both(runner, seqs, seed=0):
     """(fused, lean) hidden states of the same decode step from the same cache, and the caches each
     left, [layers] of (k, v)."""
@@ -57,17 +68,14 @@ def _both(runner, seqs, seed=0):
     fused = paged_decoder(inner)
     gen = torch.Generator().manual_seed(seed)
     _prefill(runner, seqs, gen)
-    before = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
+    before = _pool(runner)
     step = _step(runner, seqs, True, gen)
     with torch.inference_mode():
         want = _lean(runner)(*step).clone()
-        lean_cache = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
-        for (k, v), (k0, v0) in zip(zip(runner.kv.k_layers, runner.kv.v_layers), before):
-            k.copy_(k0)
-            v.copy_(v0)
+        lean_cache = _pool(runner)
+        _restore(runner, before)
         got = fused(*step).clone()
-    fused_cache = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
-    return got, want, fused_cache, lean_cache
+    return got, want, _pool(runner), lean_cache
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -107,18 +115,13 @@ def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(tmp_path):
     fused = paged_decoder(runner.model.model)
     gen = torch.Generator().manual_seed(5)
     _prefill(runner, DECODES, gen)
-    snapshot = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
-
-    def restore():
-        for (k, v), (k0, v0) in zip(zip(runner.kv.k_layers, runner.kv.v_layers), snapshot):
-            k.copy_(k0)
-            v.copy_(v0)
+    snapshot = _pool(runner)
 
     ids, pos, batch = _step(runner, DECODES, True, gen)
     with torch.inference_mode():
         together = fused(ids, pos, batch).clone()
         for i, seq in enumerate(DECODES):
-            restore()
+            _restore(runner, snapshot)
             alone_step = _step(runner, [seq], True, torch.Generator())
             alone = fused(ids[:, i : i + 1], pos[:, i : i + 1], alone_step[2])
             assert torch.equal(alone[0], together[i]), i
@@ -126,7 +129,7 @@ def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(tmp_path):
         try:
             for n in (1, 2):
                 torch.set_num_threads(n)
-                restore()
+                _restore(runner, snapshot)
                 assert torch.equal(fused(ids, pos, batch), together)
         finally:
             torch.set_num_threads(threads)
@@ -152,12 +155,10 @@ def test_a_step_with_a_long_chunk_runs_the_lean_forward_bit_for_bit(tmp_path):
     _prefill(runner, seqs, gen)
     step = _step(runner, seqs, True, gen)
     assert not runs_fused(step[2])
-    snapshot = [(k.clone(), v.clone()) for k, v in zip(runner.kv.k_layers, runner.kv.v_layers)]
+    snapshot = _pool(runner)
     with torch.inference_mode():
         want = _lean(runner)(*step).clone()
-        for (k, v), (k0, v0) in zip(zip(runner.kv.k_layers, runner.kv.v_layers), snapshot):
-            k.copy_(k0)
-            v.copy_(v0)
+        _restore(runner, snapshot)
         assert torch.equal(paged_decoder(inner)(*step), want)
 
 

@@ -50,12 +50,6 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_POINTERS] + [("window", ctypes.c_int64)]
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.magnitude_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, ctypes.c_int]
-    lib.magnitude_decode_layers.restype = ctypes.c_int
-
-
 @dataclass(frozen=True)
 class _Int4:
     codes: torch.Tensor
@@ -160,7 +154,6 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     if len(eps) != 1:
         return None
     lib = kernel.lib
-    _declare(lib)
     table = (_Layer * len(layers))()
     for i, (entry, win) in enumerate(zip(weights, windows)):
         for name, ptr in entry.items():

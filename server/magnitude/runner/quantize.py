@@ -187,6 +187,22 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel W, per-row A"
 
 
+def _fp32_rows(x: torch.Tensor, features: int) -> torch.Tensor:
+    """x as contiguous fp32 rows [M, features], for Magnitude's kernels. A decode step calls this
+    ~120 times: no-op conversions are skipped, not made (each costs microseconds of framework time,
+    as much as a small product's arithmetic)."""
+    if x.dtype == torch.float32 and x.is_contiguous():
+        return x.view(-1, features)
+    return x.reshape(-1, features).float().contiguous()
+
+
+def _native_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A kernel's fp32 product [M, N] plus the bias, in x's dtype and leading shape."""
+    if bias is not None:
+        y += bias
+    return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], y.shape[-1])
+
+
 class WeightOnlyInt8Linear(nn.Module):
     """y = x (W_q s)^T (+ b): int8 weights with one scale per output channel; x stays in its dtype.
 
@@ -213,12 +229,8 @@ class WeightOnlyInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.kernel is not None:
-            x2 = x.view(-1, self.in_features) if x.dtype == torch.float32 and x.is_contiguous() else \
-                x.reshape(-1, self.in_features).float().contiguous()
-            y = self.kernel.int8_matmul(x2, self.qweight, self.weight_scale)
-            if self.bias is not None:
-                y += self.bias
-            return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*shape[:-1], self.out_features)
+            return _native_output(self.kernel.int8_matmul(_fp32_rows(x, self.in_features), self.qweight,
+                                                          self.weight_scale), x, self.bias)
         x2 = x.reshape(-1, self.in_features).to(self.weight_scale.dtype).contiguous()
         y = torch._weight_int8pack_mm(x2, self.qweight, self.weight_scale)
         if self.bias is not None:
@@ -290,14 +302,8 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.kernel is not None:
-            # A decode step calls this ~120 times: no-op conversions are skipped, not made (each
-            # costs microseconds of framework time, as much as a small product's arithmetic).
-            x2 = x.view(-1, self.in_features) if x.dtype == torch.float32 and x.is_contiguous() else \
-                x.reshape(-1, self.in_features).float().contiguous()
-            y = self.kernel.int4_matmul(x2, self.qweight, self.scales, self.mins)
-            if self.bias is not None:
-                y += self.bias
-            return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*shape[:-1], self.out_features)
+            return _native_output(self.kernel.int4_matmul(_fp32_rows(x, self.in_features), self.qweight,
+                                                          self.scales, self.mins), x, self.bias)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
