@@ -14,12 +14,12 @@ torch = pytest.importorskip("torch")
 
 from magnitude.runner import lowbit  # noqa: E402
 from magnitude.runner.attention import SeqSlice, build_paged_batch  # noqa: E402
-from magnitude.runner.fused_decode import FUSED_MAX_CHUNK_CONTEXT, FUSED_MAX_ROWS, fused_decoder, runs_fused  # noqa: E402
+from magnitude.runner.fused_decode import FUSED_MAX_CHUNK_KEYS, FUSED_MAX_ROWS, fused_decoder, runs_fused  # noqa: E402
 from magnitude.runner.paged_decoder import lean_family, lean_forward, paged_decoder  # noqa: E402
 from magnitude.runner.quant_eval import kernel_description  # noqa: E402
 
 from .test_paged_decoder import BLOCK, SEQS, _runner, _step  # noqa: E402
-from .tiny_models import build_tiny_model  # noqa: E402
+from .tiny_models import build_tiny_model, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -87,12 +87,23 @@ def _close_caches(fused_cache, lean_cache, tolerance):
         assert _rel(fk, lk) < tolerance and _rel(fv, lv) < tolerance
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral-sliding", "qwen2", "qwen2-sliding"])
-def test_a_decode_step_matches_the_lean_forward(arch, tmp_path):
+def _tiny(arch: str, path, head_dim: int | None = None):
+    """A tiny model; `head_dim` 64 or 128 takes the attention the C code specialises for those sizes
+    (the tiny default, 16, takes its generic loop)."""
+    config = tiny_config(arch)
+    if head_dim:
+        config.head_dim = head_dim
+    return build_tiny_model(arch, path, config=config)
+
+
+@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("mistral-sliding", None), ("qwen2", None),
+                                           ("qwen2-sliding", None), ("llama", 64), ("mistral-sliding", 64),
+                                           ("qwen2-sliding", 128)])
+def test_a_decode_step_matches_the_lean_forward(arch, head_dim, tmp_path):
     _native_or_skip()
-    runner = _runner(build_tiny_model(arch, tmp_path / arch), quantization="w4a16")
+    runner = _runner(_tiny(arch, tmp_path / arch, head_dim), quantization="w4a16")
     got, want, fused_cache, lean_cache = _both(runner, DECODES)
-    print(f"\n{arch} w4a16 fused vs lean: {_rel(got, want):.1e} on {kernel_description('w4a16')}")
+    print(f"\n{arch} head_dim {head_dim or 16} w4a16 fused vs lean: {_rel(got, want):.1e} on {kernel_description('w4a16')}")
     assert got.shape == want.shape and _rel(got, want) < TINY_TOLERANCE
     _close_caches(fused_cache, lean_cache, TINY_TOLERANCE)
 
@@ -109,9 +120,10 @@ def test_a_dropped_window_would_fail(tmp_path, monkeypatch):
     assert _rel(got, want) > 1e-3
 
 
-def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(tmp_path):
+@pytest.mark.parametrize("head_dim", [None, 64])
+def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(head_dim, tmp_path):
     _native_or_skip()
-    runner = _runner(build_tiny_model("qwen2-sliding", tmp_path / "q"), quantization="w4a16")
+    runner = _runner(_tiny("qwen2-sliding", tmp_path / "q", head_dim), quantization="w4a16")
     fused = paged_decoder(runner.model.model)
     gen = torch.Generator().manual_seed(5)
     _prefill(runner, DECODES, gen)
@@ -190,7 +202,7 @@ def test_a_block_id_outside_the_pool_is_refused_before_the_native_call(tmp_path)
 
 def test_which_steps_run_fused(tmp_path):
     """Decodes at any context; chunks while the step has at most FUSED_MAX_ROWS rows and its chunk
-    rows attend to FUSED_MAX_CHUNK_CONTEXT keys or fewer on average."""
+    rows attend to FUSED_MAX_CHUNK_KEYS keys or fewer together."""
     runner = _runner(build_tiny_model("llama", tmp_path / "l"))
 
     def batch(seqs):  # (tokens cached, tokens this step); block tables are not read
@@ -203,10 +215,11 @@ def test_which_steps_run_fused(tmp_path):
     assert runs_fused(batch([(3000, 1)] * 8))  # decodes only, long contexts
     assert runs_fused(batch([(100, 1)] * 8 + [(0, FUSED_MAX_ROWS - 8)]))
     assert not runs_fused(batch([(100, 1)] * 8 + [(0, FUSED_MAX_ROWS - 7)]))  # one row too many
-    deep = FUSED_MAX_CHUNK_CONTEXT - 8  # 16 rows at positions deep..deep+15: mean keys deep + 8.5
-    assert runs_fused(batch([(deep - 1, 16)]))
-    assert not runs_fused(batch([(deep + 1, 16)]))
-    assert not runs_fused(batch([(1000, 16), (5, 1)]))
+    # 16 rows at positions s..s+15 attend to 16 * s + 136 keys together.
+    deep = (FUSED_MAX_CHUNK_KEYS - 136) // 16
+    assert runs_fused(batch([(deep, 16), (5000, 1)]))
+    assert not runs_fused(batch([(deep + 1, 16), (5, 1)]))
+    assert not runs_fused(batch([(deep // 2, 16), (deep // 2, 16)]))  # two chunks count together
 
 
 @pytest.mark.parametrize("dtype,quantization,kernel", [("float32", "none", ""), ("float32", "w8a16", ""),

@@ -8,9 +8,9 @@ kernels, `fused_decoder` returns a forward that runs all layers in C: RMSNorm, t
 product, RoPE with the model's own cos/sin, the K/V write into the paged pool, grouped-query
 attention over each row's blocks (its sliding window, if any), the output projection, the
 SiLU-gated MLP and both residuals. The embeddings, the rotary table and the final norm stay in
-torch. It takes decode steps and steps with short prefill chunks (`runs_fused`); a step with a
-long or deep chunk, where SDPA's block products beat attending key by key, and every other model
-go through the lean forward.
+torch. It takes decode steps and steps whose prefill chunks attend to few enough keys
+(`runs_fused`); a step with more, where SDPA's block products win, and every other model go through
+the lean forward.
 
 It computes what the lean forward computes, in another order (its own sums, no SDPA), so its
 results agree to fp32 rounding, not bit for bit; tests/runner/test_fused_decode.py bounds the
@@ -72,16 +72,17 @@ def _native_int4(module: nn.Module | Int4Group | None, kernel: lowbit.LowbitKern
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], "torch.Tensor | None"]
 
 
-# Which steps run fused. Its products beat the lean forward's up to 64 rows (a lone 64-token chunk
-# from position 0: 287 against 324 ms; 16 tokens 73 against 117 ms), but its attention reads the
-# pool key by key for every query row where the lean forward's SDPA multiplies whole blocks: a
-# 64-token chunk at position 1,000 took 601 against 403 ms, a 256-token chunk 1,251 against
-# 1,219 ms (`bench/step_profile.py --compare-decoders --quantization w4a16 --batches 1,8
-# --contexts 100,1000 --prefills 16,64,64@1000,256 --threads 2`, AVX2 EPYC). So a step runs fused
-# when it has at most FUSED_MAX_ROWS rows and its prefill rows attend to at most
-# FUSED_MAX_CHUNK_CONTEXT keys on average (about where the two costs cross there).
+# Which steps run fused. Its products beat the lean forward's up to 64 rows, and its attention
+# (a pool block at a time, all of a row's heads at once) beats SDPA on chunks until they attend to
+# many keys in all, where SDPA's block products win. Fused against lean, wall time
+# (`bench/step_profile.py --compare-decoders --quantization w4a16 --threads 2 --prefills
+# 16@650,64,64@1000,16@1500,16@3000,32@3000,64@2000`, AVX2 EPYC): a lone 64-token chunk 0.91x,
+# 16 tokens at position 650 (10k keys in all) 0.90x, 16 at 1,500 (24k) 0.85x, 16 at 3,000 (48k)
+# 0.89x, 64 at 1,000 (66k) 0.90x; 32 at 3,000 (96k) 1.06x, 64 at 2,000 (130k) 1.12x; decodes at
+# any context about 0.4x. So a step runs fused when it has at most FUSED_MAX_ROWS rows and its
+# prefill rows attend to at most FUSED_MAX_CHUNK_KEYS keys together.
 FUSED_MAX_ROWS = 64
-FUSED_MAX_CHUNK_CONTEXT = 384
+FUSED_MAX_CHUNK_KEYS = 64_000
 
 
 def runs_fused(batch: PagedBatch) -> bool:
@@ -90,12 +91,11 @@ def runs_fused(batch: PagedBatch) -> bool:
     if rows > FUSED_MAX_ROWS:
         return False
     decode_rows = [g.q_index[:, 0] for g in batch.groups if g.q_index.shape[1] == 1]
-    chunk_rows = rows - sum(len(r) for r in decode_rows)
-    if not chunk_rows:
+    if not rows - sum(len(r) for r in decode_rows):
         return True
     keys = int(batch.row_positions.sum()) + rows  # every row attends to its position + 1 keys
     keys -= sum(int(batch.row_positions[r.numpy()].sum()) + len(r) for r in decode_rows)
-    return keys <= FUSED_MAX_CHUNK_CONTEXT * chunk_rows
+    return keys <= FUSED_MAX_CHUNK_KEYS
 
 
 def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],

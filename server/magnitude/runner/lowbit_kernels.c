@@ -354,19 +354,144 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
     float inv = 1.0f / sum;                                                                        \
     for (int64_t e = 0; e < D; e++) out[e] = o[e] * inv;                                           \
 }
+#ifndef __AVX2__
 DEFINE_ATTEND(attend_64, 64)
 DEFINE_ATTEND(attend_128, 128)
+#endif
 DEFINE_ATTEND(attend_any, 0)
 
+#ifdef __AVX2__
+/* e^x for x <= 0 (scores minus their maximum), 8 lanes: Cephes' expf polynomial (within 2 ulp of
+   expf); lanes below -87 give about 1e-38 rather than 0. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* DEFINE_ATTEND's computation for nh consecutive query heads from head h0 (q and out: head h0's,
+   the others DIM apart; head h reads KV head h / rep), a pool block at a time for all of them (its
+   rows are contiguous, so each block streams from memory once): q.k for four keys at
+   once (independent accumulators, so the FMAs do not wait on each other, one horizontal add for all
+   four), the exponentials 8 at a time, and the weighted sum of V with the output in registers.
+   Each head's sums run in an order set by its own position alone, so its result is the same
+   whichever heads and rows share the call, the batch or the thread. scores: nh * (pos + 1 - first). */
+#define DEFINE_ATTEND_AVX2(NAME, DIM)                                                              \
+static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, float *out,   \
+                 int64_t nh, int64_t first, int64_t pos, const int64_t *table, int64_t h0,         \
+                 int64_t rep, float *scores) {                                                     \
+    enum { NV = DIM / 8 };                                                                         \
+    const int64_t bs = d->block_size, stride = d->kv_heads * DIM, count = pos + 1 - first;        \
+    const __m128 scaling = _mm_set1_ps(d->scaling);                                                \
+    for (int64_t j = 0; j < nh; j++)                                                               \
+        _mm256_storeu_ps(out + j * DIM, _mm256_set1_ps(-INFINITY)); /* running maxima, lane 0 */  \
+    for (int64_t p = first, t = 0; p <= pos;) {                                                    \
+        int64_t blk = p / bs, in = p % bs, n = bs - in < pos + 1 - p ? bs - in : pos + 1 - p;      \
+        const float *k0 = L->k_cache + (table[blk] * bs + in) * stride;                           \
+        for (int64_t j = 0; j < nh; j++) {                                                         \
+            const float *qj = q + j * DIM, *kt = k0 + (h0 + j) / rep * DIM;                        \
+            float *sj = scores + j * count;                                                        \
+            __m128 mx4 = _mm_set1_ps(out[j * DIM]);                                                \
+            int64_t i = 0;                                                                         \
+            for (; i + 4 <= n; i += 4, kt += 4 * stride) {                                         \
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                        \
+                for (int e = 0; e < NV; e++) {                                                     \
+                    __m256 qe = _mm256_loadu_ps(qj + 8 * e);                                       \
+                    a0 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 8 * e), a0);                     \
+                    a1 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + stride + 8 * e), a1);            \
+                    a2 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 2 * stride + 8 * e), a2);        \
+                    a3 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 3 * stride + 8 * e), a3);        \
+                }                                                                                  \
+                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));         \
+                __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), scaling); \
+                _mm_storeu_ps(sj + t + i, s);                                                      \
+                mx4 = _mm_max_ps(mx4, s);                                                          \
+            }                                                                                      \
+            for (; i < n; i++, kt += stride) {                                                     \
+                __m256 a = _mm256_setzero_ps();                                                    \
+                for (int e = 0; e < NV; e++)                                                       \
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * e), _mm256_loadu_ps(kt + 8 * e), a); \
+                __m128 s = _mm_mul_ss(_mm_set_ss(hsum(a)), scaling);                               \
+                sj[t + i] = _mm_cvtss_f32(s);                                                      \
+                mx4 = _mm_max_ps(mx4, _mm_shuffle_ps(s, s, 0));                                    \
+            }                                                                                      \
+            mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));                                        \
+            mx4 = _mm_max_ps(mx4, _mm_shuffle_ps(mx4, mx4, 1));                                    \
+            out[j * DIM] = _mm_cvtss_f32(mx4);                                                     \
+        }                                                                                          \
+        p += n;                                                                                    \
+        t += n;                                                                                    \
+    }                                                                                              \
+    float inv[nh];                                                                                 \
+    for (int64_t j = 0; j < nh; j++) {                                                             \
+        const __m256 mx = _mm256_set1_ps(out[j * DIM]);                                            \
+        float *sj = scores + j * count;                                                            \
+        __m256 sum = _mm256_setzero_ps();                                                          \
+        for (int64_t t = 0; t < count; t += 8) {                                                   \
+            int64_t left = count - t;                                                              \
+            __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)),      \
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));          \
+            __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(sj + t, mask), mx));      \
+            e = _mm256_and_ps(e, _mm256_castsi256_ps(mask));                                       \
+            _mm256_maskstore_ps(sj + t, mask, e);                                                  \
+            sum = _mm256_add_ps(sum, e);                                                           \
+        }                                                                                          \
+        inv[j] = 1.0f / hsum(sum);                                                                 \
+        for (int e = 0; e < NV; e++) _mm256_storeu_ps(out + j * DIM + 8 * e, _mm256_setzero_ps()); \
+    }                                                                                              \
+    for (int64_t p = first, t = 0; p <= pos;) {                                                    \
+        int64_t blk = p / bs, in = p % bs, n = bs - in < pos + 1 - p ? bs - in : pos + 1 - p;      \
+        const float *v0 = L->v_cache + (table[blk] * bs + in) * stride;                           \
+        for (int64_t j = 0; j < nh; j++) {                                                         \
+            __m256 o[NV];                                                                          \
+            const float *vt = v0 + (h0 + j) / rep * DIM, *sj = scores + j * count + t;             \
+            for (int e = 0; e < NV; e++) o[e] = _mm256_loadu_ps(out + j * DIM + 8 * e);            \
+            for (int64_t i = 0; i < n; i++, vt += stride) {                                        \
+                __m256 w = _mm256_broadcast_ss(sj + i);                                            \
+                for (int e = 0; e < NV; e++) o[e] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * e), o[e]); \
+            }                                                                                      \
+            for (int e = 0; e < NV; e++) _mm256_storeu_ps(out + j * DIM + 8 * e, o[e]);            \
+        }                                                                                          \
+        p += n;                                                                                    \
+        t += n;                                                                                    \
+    }                                                                                              \
+    for (int64_t j = 0; j < nh; j++)                                                               \
+        for (int e = 0; e < NV; e++)                                                               \
+            _mm256_storeu_ps(out + j * DIM + 8 * e,                                                \
+                             _mm256_mul_ps(_mm256_loadu_ps(out + j * DIM + 8 * e), _mm256_set1_ps(inv[j]))); \
+}
+DEFINE_ATTEND_AVX2(attend_64_avx2, 64)
+DEFINE_ATTEND_AVX2(attend_128_avx2, 128)
+#endif
+
+/* Query heads [h0, h1) of one row. scores: (h1 - h0) * (pos + 1) floats. */
 static void attend(const magnitude_dims *d, const magnitude_layer *L, const float *qkv_row, float *out_row,
-                   int64_t pos, const int64_t *table, int64_t head, float *scores) {
-    const int64_t D = d->head_dim, kvh = head / (d->heads / d->kv_heads);
+                   int64_t pos, const int64_t *table, int64_t h0, int64_t h1, float *scores) {
+    const int64_t D = d->head_dim, rep = d->heads / d->kv_heads;
     const int64_t first = L->window > 0 && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0;
-    const float *q = qkv_row + head * D;
-    float *out = out_row + head * D;
-    if (D == 64) attend_64(d, L, q, out, first, pos, table, kvh, scores);
-    else if (D == 128) attend_128(d, L, q, out, first, pos, table, kvh, scores);
-    else attend_any(d, L, q, out, first, pos, table, kvh, scores);
+#ifdef __AVX2__
+    if (D == 64) { attend_64_avx2(d, L, qkv_row + h0 * D, out_row + h0 * D, h1 - h0, first, pos, table, h0, rep, scores); return; }
+    if (D == 128) { attend_128_avx2(d, L, qkv_row + h0 * D, out_row + h0 * D, h1 - h0, first, pos, table, h0, rep, scores); return; }
+#endif
+    for (int64_t head = h0; head < h1; head++) {
+        const float *q = qkv_row + head * D;
+        float *out = out_row + head * D;
+#ifndef __AVX2__
+        if (D == 64) { attend_64(d, L, q, out, first, pos, table, head / rep, scores); continue; }
+        if (D == 128) { attend_128(d, L, q, out, first, pos, table, head / rep, scores); continue; }
+#endif
+        attend_any(d, L, q, out, first, pos, table, head / rep, scores);
+    }
 }
 
 /* h [m][hidden] (the embeddings in, the last layer's residual stream out) through n_layers layers.
@@ -389,12 +514,14 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
     float *xn = buf, *qkv = xn + m * H, *attn = qkv + m * nqkv, *gu = attn + m * nattn, *act = gu + m * 2 * I,
           *tmp = act + m * I;
     spin_barrier bar = {0, 0, 1};
+    /* Attention items per row: the fewest that give each thread about four. */
+    const int64_t want = (4 * (int64_t)threads + m - 1) / m, parts = want < d->heads ? want : d->heads;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
         int t, nt, sense = 0;
         team(&t, &nt);
-        float *scores = malloc((size_t)max_len * sizeof(float));
+        float *scores = malloc((size_t)max_len * (size_t)((d->heads + parts - 1) / parts) * sizeof(float));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
@@ -417,10 +544,13 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                                    sin + r * D, item % d->kv_heads);
                 }
                 barrier_wait(&bar, &sense);
-                for (int64_t item = t; item < m * d->heads; item += nt) {
-                    int64_t r = item / d->heads;
+                /* Each row's heads in `parts` contiguous ranges, one per item: a range reads each
+                   pool block once for all its heads, and enough items keep every thread busy. A
+                   head's result is the same in any range. */
+                for (int64_t item = t; item < m * parts; item += nt) {
+                    int64_t r = item / parts, p = item % parts;
                     attend(d, L, qkv + r * nqkv, attn + r * nattn, positions[r], tables + r * d->table_width,
-                           item % d->heads, scores);
+                           p * d->heads / parts, (p + 1) * d->heads / parts, scores);
                 }
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
