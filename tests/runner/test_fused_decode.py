@@ -158,6 +158,34 @@ def test_a_step_with_short_chunks_runs_fused_and_matches(tmp_path):
     _close_caches(fused_cache, lean_cache, TINY_TOLERANCE)
 
 
+@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("mistral-sliding", 64), ("qwen2", 128)])
+def test_a_chunk_rows_result_is_its_result_as_a_lone_row(arch, head_dim, tmp_path):
+    """The chunk's rows are attended together (a pool block read once for all of them, in runs of
+    up to 16 rows); each row's result must still be what it is alone: the same step's row, bit for
+    bit, recomputed as a one-row step over the cache the chunk step left. Rows checked: the first,
+    the first of the second run, the last; with an 8-token window the rows' key ranges differ."""
+    _native_or_skip()
+    runner = _runner(_tiny(arch, tmp_path / arch, head_dim), quantization="w4a16")
+    fused = paged_decoder(runner.model.model)
+    chunk_table = [1, 2, 3, 4, 5]
+    seqs = [([0], 5, 1), (chunk_table, 10, 20)]  # a decode, and a 20-token chunk at positions 10..29
+    gen = torch.Generator().manual_seed(3)
+    _prefill(runner, seqs, gen)
+    ids, pos, batch = _step(runner, seqs, True, gen)
+    assert runs_fused(batch)
+    with torch.inference_mode():
+        together = fused(ids, pos, batch).clone()
+        want = _lean(runner)(ids, pos, batch)  # rewrites the same K/V (to fp32 rounding)
+        assert _rel(together, want) < TINY_TOLERANCE
+        fused(ids, pos, batch)  # the cache as the fused step leaves it
+        for row in (1, 17, 20):
+            position = int(pos[0, row])
+            lone = build_paged_batch([SeqSlice(0, 1, position, chunk_table)], BLOCK, runner.kv.k_layers,
+                                     runner.kv.v_layers, runner.device)
+            alone = fused(ids[:, row : row + 1], pos[:, row : row + 1], lone)
+            assert torch.equal(alone[0], together[row]), row
+
+
 def test_a_step_with_a_long_chunk_runs_the_lean_forward_bit_for_bit(tmp_path):
     _native_or_skip()
     runner = _runner(build_tiny_model("llama", tmp_path / "l"), quantization="w4a16")

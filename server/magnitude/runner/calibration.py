@@ -46,10 +46,11 @@ ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "6"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+CALIBRATION_VERSION = "7"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
-# 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py)
+# 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
+# 7: the fused step attends a chunk's rows together
 
 ProgressFn = Callable[[float], None]
 

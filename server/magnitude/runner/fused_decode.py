@@ -73,14 +73,14 @@ DecodeFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], "torch.Tensor | No
 
 
 # Which steps run fused. Its products beat the lean forward's up to 64 rows, and its attention
-# (a pool block at a time, all of a row's heads at once) beats SDPA on chunks until they attend to
-# many keys in all, where SDPA's block products win. Fused against lean, wall time
-# (`bench/step_profile.py --compare-decoders --quantization w4a16 --threads 2 --prefills
-# 16@650,64,64@1000,16@1500,16@3000,32@3000,64@2000`, AVX2 EPYC): a lone 64-token chunk 0.91x,
-# 16 tokens at position 650 (10k keys in all) 0.90x, 16 at 1,500 (24k) 0.85x, 16 at 3,000 (48k)
-# 0.89x, 64 at 1,000 (66k) 0.90x; 32 at 3,000 (96k) 1.06x, 64 at 2,000 (130k) 1.12x; decodes at
-# any context about 0.4x. So a step runs fused when it has at most FUSED_MAX_ROWS rows and its
-# prefill rows attend to at most FUSED_MAX_CHUNK_KEYS keys together.
+# (a pool block at a time for all of a chunk's rows and a row's heads) beats SDPA on chunks until
+# they attend to many keys in all, where SDPA's block products win. Fused against lean, wall time,
+# two runs on a shared host (`bench/step_profile.py --compare-decoders --quantization w4a16
+# --threads 2 --prefills 16@650,16@1500,16@6000,64,64@1000,64@2000,64@4000`, AVX2 EPYC): chunks of
+# 16 tokens at 650, 1,500 and 6,000 (10k, 24k and 96k keys in all) 0.64x, 0.79x and 0.82x; a lone
+# 64-token chunk 0.73x; 64 tokens at 1,000 (66k) 0.94x and 1.13x, at 2,000 (130k) 0.92x and 1.12x,
+# at 4,000 (260k) 1.40x; decodes at any context 0.3-0.5x. So a step runs fused when it has at most
+# FUSED_MAX_ROWS rows and its prefill rows attend to at most FUSED_MAX_CHUNK_KEYS keys together.
 FUSED_MAX_ROWS = 64
 FUSED_MAX_CHUNK_KEYS = 64_000
 

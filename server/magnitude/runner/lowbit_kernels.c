@@ -379,119 +379,171 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* DEFINE_ATTEND's computation for nh consecutive query heads from head h0 (q and out: head h0's,
-   the others DIM apart; head h reads KV head h / rep), a pool block at a time for all of them (its
-   rows are contiguous, so each block streams from memory once): q.k for four keys at
+/* The first key a query at `pos` reads: its sliding window's start, else 0. */
+static inline int64_t first_key(int64_t pos, int64_t window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+/* DEFINE_ATTEND's computation for R rows at positions p0..p0+R-1 over one block table (a
+   sequence's prefill chunk, or one decode: R = 1) and nh consecutive query heads from h0 (row i's
+   head h0+j: q + i*ldq + j*DIM, out likewise with ldo; head h reads KV head h / rep). It walks the
+   pool a block at a time and applies each block to every row and head while it is in cache (its
+   rows are contiguous, so it streams from memory once, not once per query): q.k for four keys at
    once (independent accumulators, so the FMAs do not wait on each other, one horizontal add for all
    four), the exponentials 8 at a time, and the weighted sum of V with the output in registers.
-   Each head's sums run in an order set by its own position alone, so its result is the same
-   whichever heads and rows share the call, the batch or the thread. scores: nh * (pos + 1 - first). */
+   Every (row, head)'s sums run over the same keys in the same groups and order as they would alone
+   (set by its own position and the block boundaries), so its result is the same whichever rows and
+   heads share the call, the batch or the thread. scores: R * nh * ld_s floats, ld_s >= the first
+   row's key count. out's first lane holds each query's running maximum until the weighted sum. */
 #define DEFINE_ATTEND_AVX2(NAME, DIM)                                                              \
-static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, float *out,   \
-                 int64_t nh, int64_t first, int64_t pos, const int64_t *table, int64_t h0,         \
-                 int64_t rep, float *scores) {                                                     \
+static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, int64_t ldq,  \
+                 float *out, int64_t ldo, int64_t R, int64_t p0, const int64_t *table, int64_t h0, \
+                 int64_t nh, int64_t rep, float *scores, int64_t ld_s) {                           \
     enum { NV = DIM / 8 };                                                                         \
-    const int64_t bs = d->block_size, stride = d->kv_heads * DIM, count = pos + 1 - first;        \
+    const int64_t bs = d->block_size, stride = d->kv_heads * DIM, last = p0 + R - 1;              \
     const __m128 scaling = _mm_set1_ps(d->scaling);                                                \
-    for (int64_t j = 0; j < nh; j++)                                                               \
-        _mm256_storeu_ps(out + j * DIM, _mm256_set1_ps(-INFINITY)); /* running maxima, lane 0 */  \
-    for (int64_t p = first, t = 0; p <= pos;) {                                                    \
-        int64_t blk = p / bs, in = p % bs, n = bs - in < pos + 1 - p ? bs - in : pos + 1 - p;      \
+    for (int64_t i = 0; i < R; i++)                                                                \
+        for (int64_t j = 0; j < nh; j++) out[i * ldo + j * DIM] = -INFINITY;                       \
+    for (int64_t p = first_key(p0, L->window); p <= last;) {                                       \
+        int64_t blk = p / bs, in = p % bs, n = bs - in < last + 1 - p ? bs - in : last + 1 - p;    \
         const float *k0 = L->k_cache + (table[blk] * bs + in) * stride;                           \
-        for (int64_t j = 0; j < nh; j++) {                                                         \
-            const float *qj = q + j * DIM, *kt = k0 + (h0 + j) / rep * DIM;                        \
-            float *sj = scores + j * count;                                                        \
-            __m128 mx4 = _mm_set1_ps(out[j * DIM]);                                                \
-            int64_t i = 0;                                                                         \
-            for (; i + 4 <= n; i += 4, kt += 4 * stride) {                                         \
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                        \
-                for (int e = 0; e < NV; e++) {                                                     \
-                    __m256 qe = _mm256_loadu_ps(qj + 8 * e);                                       \
-                    a0 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 8 * e), a0);                     \
-                    a1 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + stride + 8 * e), a1);            \
-                    a2 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 2 * stride + 8 * e), a2);        \
-                    a3 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 3 * stride + 8 * e), a3);        \
+        for (int64_t j = 0; j < nh; j++)                                                           \
+            for (int64_t i = 0; i < R; i++) {                                                      \
+                const int64_t pos = p0 + i, fi = first_key(pos, L->window);                        \
+                const int64_t lo = p > fi ? p : fi, hi = p + n < pos + 1 ? p + n : pos + 1;        \
+                if (lo >= hi) continue;                                                            \
+                const float *qj = q + i * ldq + j * DIM, *kt = k0 + (lo - p) * stride + (h0 + j) / rep * DIM; \
+                float *sj = scores + (i * nh + j) * ld_s - fi, *oj = out + i * ldo + j * DIM;      \
+                __m128 mx4 = _mm_set1_ps(oj[0]);                                                   \
+                int64_t key = lo;                                                                  \
+                for (; key + 4 <= hi; key += 4, kt += 4 * stride) {                                \
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                    \
+                    for (int e = 0; e < NV; e++) {                                                 \
+                        __m256 qe = _mm256_loadu_ps(qj + 8 * e);                                   \
+                        a0 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 8 * e), a0);                 \
+                        a1 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + stride + 8 * e), a1);        \
+                        a2 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 2 * stride + 8 * e), a2);    \
+                        a3 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 3 * stride + 8 * e), a3);    \
+                    }                                                                              \
+                    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));     \
+                    __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), scaling); \
+                    _mm_storeu_ps(sj + key, s);                                                    \
+                    mx4 = _mm_max_ps(mx4, s);                                                      \
                 }                                                                                  \
-                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));         \
-                __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), scaling); \
-                _mm_storeu_ps(sj + t + i, s);                                                      \
-                mx4 = _mm_max_ps(mx4, s);                                                          \
+                for (; key < hi; key++, kt += stride) {                                            \
+                    __m256 acc = _mm256_setzero_ps();                                              \
+                    for (int e = 0; e < NV; e++)                                                   \
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * e), _mm256_loadu_ps(kt + 8 * e), acc); \
+                    __m128 s = _mm_mul_ss(_mm_set_ss(hsum(acc)), scaling);                         \
+                    sj[key] = _mm_cvtss_f32(s);                                                    \
+                    mx4 = _mm_max_ps(mx4, _mm_shuffle_ps(s, s, 0));                                \
+                }                                                                                  \
+                mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));                                    \
+                mx4 = _mm_max_ps(mx4, _mm_shuffle_ps(mx4, mx4, 1));                                \
+                oj[0] = _mm_cvtss_f32(mx4);                                                        \
             }                                                                                      \
-            for (; i < n; i++, kt += stride) {                                                     \
-                __m256 a = _mm256_setzero_ps();                                                    \
-                for (int e = 0; e < NV; e++)                                                       \
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * e), _mm256_loadu_ps(kt + 8 * e), a); \
-                __m128 s = _mm_mul_ss(_mm_set_ss(hsum(a)), scaling);                               \
-                sj[t + i] = _mm_cvtss_f32(s);                                                      \
-                mx4 = _mm_max_ps(mx4, _mm_shuffle_ps(s, s, 0));                                    \
-            }                                                                                      \
-            mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));                                        \
-            mx4 = _mm_max_ps(mx4, _mm_shuffle_ps(mx4, mx4, 1));                                    \
-            out[j * DIM] = _mm_cvtss_f32(mx4);                                                     \
-        }                                                                                          \
         p += n;                                                                                    \
-        t += n;                                                                                    \
     }                                                                                              \
-    float inv[nh];                                                                                 \
-    for (int64_t j = 0; j < nh; j++) {                                                             \
-        const __m256 mx = _mm256_set1_ps(out[j * DIM]);                                            \
-        float *sj = scores + j * count;                                                            \
-        __m256 sum = _mm256_setzero_ps();                                                          \
-        for (int64_t t = 0; t < count; t += 8) {                                                   \
-            int64_t left = count - t;                                                              \
-            __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)),      \
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));          \
-            __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(sj + t, mask), mx));      \
-            e = _mm256_and_ps(e, _mm256_castsi256_ps(mask));                                       \
-            _mm256_maskstore_ps(sj + t, mask, e);                                                  \
-            sum = _mm256_add_ps(sum, e);                                                           \
-        }                                                                                          \
-        inv[j] = 1.0f / hsum(sum);                                                                 \
-        for (int e = 0; e < NV; e++) _mm256_storeu_ps(out + j * DIM + 8 * e, _mm256_setzero_ps()); \
-    }                                                                                              \
-    for (int64_t p = first, t = 0; p <= pos;) {                                                    \
-        int64_t blk = p / bs, in = p % bs, n = bs - in < pos + 1 - p ? bs - in : pos + 1 - p;      \
-        const float *v0 = L->v_cache + (table[blk] * bs + in) * stride;                           \
+    float inv[R * nh];                                                                             \
+    for (int64_t i = 0; i < R; i++)                                                                \
         for (int64_t j = 0; j < nh; j++) {                                                         \
-            __m256 o[NV];                                                                          \
-            const float *vt = v0 + (h0 + j) / rep * DIM, *sj = scores + j * count + t;             \
-            for (int e = 0; e < NV; e++) o[e] = _mm256_loadu_ps(out + j * DIM + 8 * e);            \
-            for (int64_t i = 0; i < n; i++, vt += stride) {                                        \
-                __m256 w = _mm256_broadcast_ss(sj + i);                                            \
-                for (int e = 0; e < NV; e++) o[e] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * e), o[e]); \
+            const int64_t count = p0 + i + 1 - first_key(p0 + i, L->window);                       \
+            float *sj = scores + (i * nh + j) * ld_s, *oj = out + i * ldo + j * DIM;               \
+            const __m256 mx = _mm256_set1_ps(oj[0]);                                               \
+            __m256 sum = _mm256_setzero_ps();                                                      \
+            for (int64_t t = 0; t < count; t += 8) {                                               \
+                int64_t left = count - t;                                                          \
+                __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)),  \
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));      \
+                __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(sj + t, mask), mx));  \
+                e = _mm256_and_ps(e, _mm256_castsi256_ps(mask));                                   \
+                _mm256_maskstore_ps(sj + t, mask, e);                                              \
+                sum = _mm256_add_ps(sum, e);                                                       \
             }                                                                                      \
-            for (int e = 0; e < NV; e++) _mm256_storeu_ps(out + j * DIM + 8 * e, o[e]);            \
+            inv[i * nh + j] = 1.0f / hsum(sum);                                                    \
+            for (int e = 0; e < NV; e++) _mm256_storeu_ps(oj + 8 * e, _mm256_setzero_ps());        \
         }                                                                                          \
+    for (int64_t p = first_key(p0, L->window); p <= last;) {                                       \
+        int64_t blk = p / bs, in = p % bs, n = bs - in < last + 1 - p ? bs - in : last + 1 - p;    \
+        const float *v0 = L->v_cache + (table[blk] * bs + in) * stride;                           \
+        for (int64_t j = 0; j < nh; j++)                                                           \
+            for (int64_t i = 0; i < R; i++) {                                                      \
+                const int64_t pos = p0 + i, fi = first_key(pos, L->window);                        \
+                const int64_t lo = p > fi ? p : fi, hi = p + n < pos + 1 ? p + n : pos + 1;        \
+                if (lo >= hi) continue;                                                            \
+                const float *vt = v0 + (lo - p) * stride + (h0 + j) / rep * DIM;                   \
+                const float *sj = scores + (i * nh + j) * ld_s - fi;                               \
+                float *oj = out + i * ldo + j * DIM;                                               \
+                __m256 o[NV];                                                                      \
+                for (int e = 0; e < NV; e++) o[e] = _mm256_loadu_ps(oj + 8 * e);                   \
+                for (int64_t key = lo; key < hi; key++, vt += stride) {                            \
+                    __m256 w = _mm256_broadcast_ss(sj + key);                                      \
+                    for (int e = 0; e < NV; e++) o[e] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * e), o[e]); \
+                }                                                                                  \
+                for (int e = 0; e < NV; e++) _mm256_storeu_ps(oj + 8 * e, o[e]);                   \
+            }                                                                                      \
         p += n;                                                                                    \
-        t += n;                                                                                    \
     }                                                                                              \
-    for (int64_t j = 0; j < nh; j++)                                                               \
-        for (int e = 0; e < NV; e++)                                                               \
-            _mm256_storeu_ps(out + j * DIM + 8 * e,                                                \
-                             _mm256_mul_ps(_mm256_loadu_ps(out + j * DIM + 8 * e), _mm256_set1_ps(inv[j]))); \
+    for (int64_t i = 0; i < R; i++)                                                                \
+        for (int64_t j = 0; j < nh; j++)                                                           \
+            for (int e = 0; e < NV; e++) {                                                         \
+                float *oj = out + i * ldo + j * DIM + 8 * e;                                       \
+                _mm256_storeu_ps(oj, _mm256_mul_ps(_mm256_loadu_ps(oj), _mm256_set1_ps(inv[i * nh + j]))); \
+            }                                                                                      \
 }
 DEFINE_ATTEND_AVX2(attend_64_avx2, 64)
 DEFINE_ATTEND_AVX2(attend_128_avx2, 128)
 #endif
 
-/* Query heads [h0, h1) of one row. scores: (h1 - h0) * (pos + 1) floats. */
-static void attend(const magnitude_dims *d, const magnitude_layer *L, const float *qkv_row, float *out_row,
-                   int64_t pos, const int64_t *table, int64_t h0, int64_t h1, float *scores) {
+/* Query heads [h0, h1) of R rows at positions p0.. over one block table (row i's q/k/v at
+   qkv + i * ldq, its output at out + i * ldo). scores: R * (h1 - h0) * ld_s floats, ld_s at least
+   p0 + 1. */
+static void attend(const magnitude_dims *d, const magnitude_layer *L, const float *qkv, int64_t ldq, float *out,
+                   int64_t ldo, int64_t R, int64_t p0, const int64_t *table, int64_t h0, int64_t h1, float *scores,
+                   int64_t ld_s) {
     const int64_t D = d->head_dim, rep = d->heads / d->kv_heads;
-    const int64_t first = L->window > 0 && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0;
 #ifdef __AVX2__
-    if (D == 64) { attend_64_avx2(d, L, qkv_row + h0 * D, out_row + h0 * D, h1 - h0, first, pos, table, h0, rep, scores); return; }
-    if (D == 128) { attend_128_avx2(d, L, qkv_row + h0 * D, out_row + h0 * D, h1 - h0, first, pos, table, h0, rep, scores); return; }
+    if (D == 64) { attend_64_avx2(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
+    if (D == 128) { attend_128_avx2(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
 #endif
-    for (int64_t head = h0; head < h1; head++) {
-        const float *q = qkv_row + head * D;
-        float *out = out_row + head * D;
+    (void)ld_s;
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t head = h0; head < h1; head++) {
+            const int64_t pos = p0 + i, first = L->window > 0 && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0;
+            const float *q = qkv + i * ldq + head * D;
+            float *o = out + i * ldo + head * D;
 #ifndef __AVX2__
-        if (D == 64) { attend_64(d, L, q, out, first, pos, table, head / rep, scores); continue; }
-        if (D == 128) { attend_128(d, L, q, out, first, pos, table, head / rep, scores); continue; }
+            if (D == 64) { attend_64(d, L, q, o, first, pos, table, head / rep, scores); continue; }
+            if (D == 128) { attend_128(d, L, q, o, first, pos, table, head / rep, scores); continue; }
 #endif
-        attend_any(d, L, q, out, first, pos, table, head / rep, scores);
+            attend_any(d, L, q, o, first, pos, table, head / rep, scores);
+        }
+}
+
+/* Attention work items: rows r0..r0+rows-1 (one block table, consecutive positions), heads [h0, h1). */
+typedef struct { int64_t r0, rows, h0, h1; } attend_item;
+
+/* Rows that share a block table at consecutive positions (a prefill chunk) go together, up to
+   RUN_ROWS, one item per head: each pool block is then read once for all of them. A lone row (a
+   decode) takes its heads in `parts` ranges, the fewest that give each thread about four items.
+   Returns the item count; *units: the most (row, head) pairs one item holds. */
+#define RUN_ROWS 16
+static int64_t attention_items(const magnitude_dims *d, int64_t m, const int64_t *positions, const int64_t *tables,
+                               int threads, attend_item *items, int64_t *units) {
+    const int64_t want = (4 * (int64_t)threads + m - 1) / m, parts = want < d->heads ? want : d->heads;
+    const size_t row_bytes = (size_t)d->table_width * sizeof(int64_t);
+    int64_t n = 0;
+    *units = (d->heads + parts - 1) / parts;
+    for (int64_t r = 0, rows; r < m; r += rows) {
+        for (rows = 1; r + rows < m && rows < RUN_ROWS && positions[r + rows] == positions[r] + rows
+                       && !memcmp(tables + (r + rows) * d->table_width, tables + r * d->table_width, row_bytes);
+             rows++) {}
+        const int64_t k = rows > 1 ? d->heads : parts;
+        for (int64_t p = 0; p < k; p++)
+            items[n++] = (attend_item){r, rows, p * d->heads / k, (p + 1) * d->heads / k};
+        if (rows > *units) *units = rows;
     }
+    return n;
 }
 
 /* h [m][hidden] (the embeddings in, the last layer's residual stream out) through n_layers layers.
@@ -514,14 +566,19 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
     float *xn = buf, *qkv = xn + m * H, *attn = qkv + m * nqkv, *gu = attn + m * nattn, *act = gu + m * 2 * I,
           *tmp = act + m * I;
     spin_barrier bar = {0, 0, 1};
-    /* Attention items per row: the fewest that give each thread about four. */
-    const int64_t want = (4 * (int64_t)threads + m - 1) / m, parts = want < d->heads ? want : d->heads;
+    attend_item *items = malloc((size_t)m * (size_t)d->heads * sizeof(attend_item));
+    if (!items) {
+        free(buf);
+        return -1;
+    }
+    int64_t units;
+    const int64_t n_items = attention_items(d, m, positions, tables, threads, items, &units);
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
         int t, nt, sense = 0;
         team(&t, &nt);
-        float *scores = malloc((size_t)max_len * (size_t)((d->heads + parts - 1) / parts) * sizeof(float));
+        float *scores = malloc((size_t)max_len * (size_t)units * sizeof(float));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
@@ -544,13 +601,10 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                                    sin + r * D, item % d->kv_heads);
                 }
                 barrier_wait(&bar, &sense);
-                /* Each row's heads in `parts` contiguous ranges, one per item: a range reads each
-                   pool block once for all its heads, and enough items keep every thread busy. A
-                   head's result is the same in any range. */
-                for (int64_t item = t; item < m * parts; item += nt) {
-                    int64_t r = item / parts, p = item % parts;
-                    attend(d, L, qkv + r * nqkv, attn + r * nattn, positions[r], tables + r * d->table_width,
-                           p * d->heads / parts, (p + 1) * d->heads / parts, scores);
+                for (int64_t k = t; k < n_items; k += nt) {
+                    const attend_item *it = items + k;
+                    attend(d, L, qkv + it->r0 * nqkv, nqkv, attn + it->r0 * nattn, nattn, it->rows, positions[it->r0],
+                           tables + it->r0 * d->table_width, it->h0, it->h1, scores, max_len);
                 }
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
@@ -575,6 +629,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
         }
         free(scores);
     }
+    free(items);
     free(buf);
     return failed ? -1 : 0;
 }
