@@ -77,7 +77,8 @@ class SchedulerPolicy(PolicyModel):
         default=None, ge=1, le=1_048_576,
         description="Most tokens (decode + prefill) computed in one step. Null (the default) derives it: the "
         "largest step the engine's measured cost model predicts within itlTargetMs (when unset: the predicted time "
-        "of the smallest prefill step within 90% of the best measured prefill rate, beside 8 decodes).",
+        "of the smallest prefill step within 90% of the prefill rate a line fitted through the measured prefill steps "
+        "allows, beside 8 decodes).",
     )
     max_sequences: int = Field(default=64, ge=1, le=4096, description="Most sequences resident in one step.")
     prefill_chunk_size: int | None = Field(
@@ -92,7 +93,8 @@ class SchedulerPolicy(PolicyModel):
         description="Inter-token latency target: each step's total predicted time (decodes plus every prefill "
         "chunk) stays within it while requests decode, and null tokenBudget/prefillChunkSize are derived "
         "for it. Null: when anything is derived, the predicted time of an efficient step (the smallest prefill "
-        "step within 90% of the best measured prefill rate, beside 8 decodes), else no per-step bound.",
+        "step within 90% of the prefill rate a line fitted through the measured prefill steps allows, beside 8 "
+        "decodes), else no per-step bound.",
     )
     preemption_mode: Literal["recompute", "swap", "auto"] = Field(
         default="recompute",

@@ -157,11 +157,15 @@ class TableCost:
         return self.seconds_for(*plan_shape(plan, self.block_size), attention=plan.attention_load())
 
 
-# With no `itlTargetMs`, the chunk is the smallest prefill step that keeps this share of the best
-# prefill rate (tokens per second) the cost model measured: bigger steps would buy under 10% more
+# With no `itlTargetMs`, the chunk is the smallest prefill step that keeps this share of the
+# prefill rate (tokens per second) the cost model allows: bigger steps would buy under 10% more
 # throughput with a longer stall for every running stream, smaller ones lose throughput quickly on
-# hardware whose per-step cost is mostly reading the weights (a CPU, or a GPU at small batches).
-# The target then is what that step costs beside TYPICAL_DECODES decodes: derived, not borrowed.
+# hardware whose per-step cost is mostly reading the weights (a CPU at low precision, or a GPU at
+# small batches). The rate is judged on a straight line fitted through the prefill-only steps (a
+# fixed cost per step and a cost per token), not cell by cell: where a step costs nearly the same
+# per token at every size (this CPU's w4a16), single noisy cells otherwise decide: three
+# calibrations of one machine on one day derived targets of 738, 449 and 256 ms (the fitted line:
+# 738, 529 and 630; tests/sim/test_cost.py). The target then is what that step costs beside TYPICAL_DECODES decodes: derived, not borrowed.
 PREFILL_EFFICIENCY = 0.9
 # Decodes a "typical" step carries when the chunk and the default target are derived (at most maxSequences).
 TYPICAL_DECODES = 8
@@ -190,16 +194,43 @@ class SchedulerLimits:
                 "itlTargetMs": self.itl_target_ms, "source": self.source}
 
 
+def _fitted_step_cost(cost: CostModel, candidates: list[int]) -> tuple[float, float] | None:
+    """(fixed seconds per step, seconds per prefill token): the least-squares line t = a + b p
+    through the prefill-only steps, a table's measured cells of its first row (no decodes) or another
+    model's own times at the candidates; None when fewer than two points (a table of one prefill
+    column)."""
+    if isinstance(cost, TableCost):
+        row = cost.decode_batch_sizes.index(min(cost.decode_batch_sizes))
+        points = [(p, cost.seconds[row][j]) for j, p in enumerate(cost.prefill_tokens) if p > 0]
+    else:
+        points = [(float(c), cost.seconds_for(0, c)) for c in candidates]
+    if len(points) < 2:
+        return None
+    mp = sum(p for p, _ in points) / len(points)
+    mt = sum(t for _, t in points) / len(points)
+    b = sum((p - mp) * (t - mt) for p, t in points) / sum((p - mp) ** 2 for p, _ in points)
+    return mt - b * mp, b
+
+
 def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float]:
-    """The default chunk and ITL target in ms: the smallest candidate prefill step whose rate is at
-    least PREFILL_EFFICIENCY of the best candidate's (a table only within its measured range), and
-    the predicted time of that step beside TYPICAL_DECODES decodes, rounded up to 0.1 ms so the step
-    it was chosen for fits the bound."""
+    """The default chunk and ITL target in ms. The chunk: the smallest candidate prefill step whose
+    rate on the fitted line (_fitted_step_cost: c / (a + b c)) is at least PREFILL_EFFICIENCY of the
+    line's best, b's inverse: c >= E / (1 - E) * a / b (a table only within its measured range;
+    the largest candidate when none reaches it, the smallest when a step has no fixed cost). Where
+    no line fits, the candidates' own rates are compared. The target: the predicted time of that
+    step beside TYPICAL_DECODES decodes, rounded up to 0.1 ms so the step it was chosen for fits the
+    bound."""
     top = max(cost.prefill_tokens) if isinstance(cost, TableCost) else MAX_DERIVED_BUDGET
     candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
-    rate = {c: c / max(cost.seconds_for(0, c), 1e-9) for c in candidates}
-    best = max(rate.values())
-    chunk = min(c for c in candidates if rate[c] >= PREFILL_EFFICIENCY * best)
+    fit = _fitted_step_cost(cost, candidates)
+    if fit is not None and fit[1] > 0:
+        threshold = PREFILL_EFFICIENCY / (1.0 - PREFILL_EFFICIENCY) * max(fit[0], 0.0) / fit[1]
+        chunk = min((c for c in candidates if c >= threshold), default=candidates[-1])
+    elif fit is not None:  # more tokens cost nothing more: the biggest step is the most efficient
+        chunk = candidates[-1]
+    else:
+        rate = {c: c / max(cost.seconds_for(0, c), 1e-9) for c in candidates}
+        chunk = min(c for c in candidates if rate[c] >= PREFILL_EFFICIENCY * max(rate.values()))
     d = min(max_sequences, TYPICAL_DECODES)
     return chunk, math.ceil(cost.seconds_for(d, chunk) * 10_000.0 - 1e-6) / 10.0
 
