@@ -163,10 +163,13 @@ def test_a_chunk_rows_result_is_its_result_as_a_lone_row(arch, head_dim, tmp_pat
     """The chunk's rows are attended together (a pool block read once for all of them, in runs of
     up to 16 rows); each row's result must still be what it is alone: the same step's row, bit for
     bit, recomputed as a one-row step over the cache the chunk step left. Rows checked: the first,
-    the first of the second run, the last; with an 8-token window the rows' key ranges differ."""
+    one inside and the last of the first run, the first of the second run, the last; with an
+    8-token window the rows' key ranges differ."""
     _native_or_skip()
     runner = _runner(_tiny(arch, tmp_path / arch, head_dim), quantization="w4a16")
-    fused = paged_decoder(runner.model.model)
+    inner = runner.model.model
+    assert fused_decoder(inner, lean_family(inner).window) is not None
+    fused = paged_decoder(inner)
     chunk_table = [1, 2, 3, 4, 5]
     seqs = [([0], 5, 1), (chunk_table, 10, 20)]  # a decode, and a 20-token chunk at positions 10..29
     gen = torch.Generator().manual_seed(3)
@@ -178,7 +181,7 @@ def test_a_chunk_rows_result_is_its_result_as_a_lone_row(arch, head_dim, tmp_pat
         want = _lean(runner)(ids, pos, batch)  # rewrites the same K/V (to fp32 rounding)
         assert _rel(together, want) < TINY_TOLERANCE
         fused(ids, pos, batch)  # the cache as the fused step leaves it
-        for row in (1, 17, 20):
+        for row in (1, 8, 16, 17, 20):
             position = int(pos[0, row])
             lone = build_paged_batch([SeqSlice(0, 1, position, chunk_table)], BLOCK, runner.kv.k_layers,
                                      runner.kv.v_layers, runner.device)

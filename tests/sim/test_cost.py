@@ -135,14 +135,35 @@ SAME_MACHINE_TABLES = {
 }
 
 
+def _derive(seconds, decodes=(0.0, 1.0, 4.0, 16.0), prefills=(0.0, 16.0, 64.0, 256.0)):
+    return derive_scheduler_limits(resolve_config(None, []).scheduler, TableCost(decodes, prefills, seconds))
+
+
 @pytest.mark.parametrize("day", sorted(SAME_MACHINE_TABLES))
 def test_calibrations_of_one_machine_derive_similar_targets(day) -> None:
     """Judged cell by cell, the first set derived chunks 96, 48 and 16 and targets of 738, 449 and
     256 ms; on the fitted line each set's targets stay within 2x of each other."""
-    sp = resolve_config(None, []).scheduler
     targets = []
     for seconds in SAME_MACHINE_TABLES[day]:
-        limits = derive_scheduler_limits(sp, TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0), seconds))
+        limits = _derive(seconds)
         assert limits.source == "derived" and limits.warning is None
         targets.append(limits.itl_target_ms)
     assert max(targets) < 2 * min(targets), targets
+
+
+def test_the_efficient_step_on_the_fitted_line() -> None:
+    """The first set's chunks and targets exactly, and the line's edge cases."""
+    assert [(x.prefill_chunk_size, x.itl_target_ms) for x in map(_derive, SAME_MACHINE_TABLES["2026-12-01"])] == \
+        [(96, 738.3), (64, 529.2), (64, 629.5)]
+    # No fixed cost (the line through the origin or below it): the smallest step is as efficient.
+    proportional = ((0.0, 0.16, 0.64, 2.56), (0.01, 0.17, 0.65, 2.57))
+    assert efficient_prefill_step(TableCost((0.0, 1.0), (0.0, 16.0, 64.0, 256.0), proportional), 8)[0] == 16
+    # A fixed cost of 0.3 s and 1 ms a token: 9 * 0.3 / 0.001 = 2,700 tokens, past the measured 256.
+    fixed = ((0.0, 0.316, 0.364, 0.556), (0.01, 0.326, 0.374, 0.566))
+    assert efficient_prefill_step(TableCost((0.0, 1.0), (0.0, 16.0, 64.0, 256.0), fixed), 8)[0] == 256
+    # Bigger steps no dearer than small ones: the biggest measured step.
+    flat = ((0.0, 0.5, 0.5, 0.5), (0.01, 0.5, 0.5, 0.5))
+    assert efficient_prefill_step(TableCost((0.0, 1.0), (0.0, 16.0, 64.0, 256.0), flat), 8)[0] == 256
+    # One prefill column: no line; the candidates' own rates (extrapolated) decide.
+    single = TableCost((0.0, 1.0), (0.0, 64.0), ((0.0, 0.32), (0.01, 0.33)))
+    assert efficient_prefill_step(single, 8)[0] == 16

@@ -81,6 +81,8 @@ DecodeFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], "torch.Tensor | No
 # 64-token chunk 0.73x; 64 tokens at 1,000 (66k) 0.94x and 1.13x, at 2,000 (130k) 0.92x and 1.12x,
 # at 4,000 (260k) 1.40x; decodes at any context 0.3-0.5x. So a step runs fused when it has at most
 # FUSED_MAX_ROWS rows and its prefill rows attend to at most FUSED_MAX_CHUNK_KEYS keys together.
+# The bound is set by the 64-row chunks, so it is conservative for short ones (16 rows at 96k keys
+# still won), and it counts every key before a row's position even under a sliding window.
 FUSED_MAX_ROWS = 64
 FUSED_MAX_CHUNK_KEYS = 64_000
 

@@ -393,8 +393,9 @@ static inline int64_t first_key(int64_t pos, int64_t window) {
    four), the exponentials 8 at a time, and the weighted sum of V with the output in registers.
    Every (row, head)'s sums run over the same keys in the same groups and order as they would alone
    (set by its own position and the block boundaries), so its result is the same whichever rows and
-   heads share the call, the batch or the thread. scores: R * nh * ld_s floats, ld_s >= the first
-   row's key count. out's first lane holds each query's running maximum until the weighted sum. */
+   heads share the call, the batch or the thread. scores: R * nh * ld_s floats, ld_s >= the last
+   row's key count (p0 + R). out's first lane holds each query's running maximum until the weighted
+   sum. */
 #define DEFINE_ATTEND_AVX2(NAME, DIM)                                                              \
 static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, int64_t ldq,  \
                  float *out, int64_t ldo, int64_t R, int64_t p0, const int64_t *table, int64_t h0, \
@@ -413,7 +414,7 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
                 const int64_t lo = p > fi ? p : fi, hi = p + n < pos + 1 ? p + n : pos + 1;        \
                 if (lo >= hi) continue;                                                            \
                 const float *qj = q + i * ldq + j * DIM, *kt = k0 + (lo - p) * stride + (h0 + j) / rep * DIM; \
-                float *sj = scores + (i * nh + j) * ld_s - fi, *oj = out + i * ldo + j * DIM;      \
+                float *sj = scores + (i * nh + j) * ld_s, *oj = out + i * ldo + j * DIM;           \
                 __m128 mx4 = _mm_set1_ps(oj[0]);                                                   \
                 int64_t key = lo;                                                                  \
                 for (; key + 4 <= hi; key += 4, kt += 4 * stride) {                                \
@@ -427,7 +428,7 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
                     }                                                                              \
                     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));     \
                     __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), scaling); \
-                    _mm_storeu_ps(sj + key, s);                                                    \
+                    _mm_storeu_ps(sj + (key - fi), s);                                             \
                     mx4 = _mm_max_ps(mx4, s);                                                      \
                 }                                                                                  \
                 for (; key < hi; key++, kt += stride) {                                            \
@@ -435,7 +436,7 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
                     for (int e = 0; e < NV; e++)                                                   \
                         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * e), _mm256_loadu_ps(kt + 8 * e), acc); \
                     __m128 s = _mm_mul_ss(_mm_set_ss(hsum(acc)), scaling);                         \
-                    sj[key] = _mm_cvtss_f32(s);                                                    \
+                    sj[key - fi] = _mm_cvtss_f32(s);                                               \
                     mx4 = _mm_max_ps(mx4, _mm_shuffle_ps(s, s, 0));                                \
                 }                                                                                  \
                 mx4 = _mm_max_ps(mx4, _mm_movehl_ps(mx4, mx4));                                    \
@@ -472,12 +473,12 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
                 const int64_t lo = p > fi ? p : fi, hi = p + n < pos + 1 ? p + n : pos + 1;        \
                 if (lo >= hi) continue;                                                            \
                 const float *vt = v0 + (lo - p) * stride + (h0 + j) / rep * DIM;                   \
-                const float *sj = scores + (i * nh + j) * ld_s - fi;                               \
+                const float *sj = scores + (i * nh + j) * ld_s;                                    \
                 float *oj = out + i * ldo + j * DIM;                                               \
                 __m256 o[NV];                                                                      \
                 for (int e = 0; e < NV; e++) o[e] = _mm256_loadu_ps(oj + 8 * e);                   \
                 for (int64_t key = lo; key < hi; key++, vt += stride) {                            \
-                    __m256 w = _mm256_broadcast_ss(sj + key);                                      \
+                    __m256 w = _mm256_broadcast_ss(sj + (key - fi));                               \
                     for (int e = 0; e < NV; e++) o[e] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * e), o[e]); \
                 }                                                                                  \
                 for (int e = 0; e < NV; e++) _mm256_storeu_ps(oj + 8 * e, o[e]);                   \
@@ -497,7 +498,7 @@ DEFINE_ATTEND_AVX2(attend_128_avx2, 128)
 
 /* Query heads [h0, h1) of R rows at positions p0.. over one block table (row i's q/k/v at
    qkv + i * ldq, its output at out + i * ldo). scores: R * (h1 - h0) * ld_s floats, ld_s at least
-   p0 + 1. */
+   p0 + R (the last row's keys). */
 static void attend(const magnitude_dims *d, const magnitude_layer *L, const float *qkv, int64_t ldq, float *out,
                    int64_t ldo, int64_t R, int64_t p0, const int64_t *table, int64_t h0, int64_t h1, float *scores,
                    int64_t ld_s) {

@@ -165,7 +165,9 @@ class TableCost:
 # fixed cost per step and a cost per token), not cell by cell: where a step costs nearly the same
 # per token at every size (this CPU's w4a16), single noisy cells otherwise decide: three
 # calibrations of one machine on one day derived targets of 738, 449 and 256 ms (the fitted line:
-# 738, 529 and 630; tests/sim/test_cost.py). The target then is what that step costs beside TYPICAL_DECODES decodes: derived, not borrowed.
+# 738, 529 and 630; tests/sim/test_cost.py). The line's intercept is still fitted from few points,
+# so noise moves it less often, not never (another day's three: 158, 111 and 205 ms cell by cell,
+# 158, 212 and 120 on the line). The target then is what that step costs beside TYPICAL_DECODES decodes: derived, not borrowed.
 PREFILL_EFFICIENCY = 0.9
 # Decodes a "typical" step carries when the chunk and the default target are derived (at most maxSequences).
 TYPICAL_DECODES = 8
@@ -196,14 +198,10 @@ class SchedulerLimits:
 
 def _fitted_step_cost(cost: CostModel, candidates: list[int]) -> tuple[float, float] | None:
     """(fixed seconds per step, seconds per prefill token): the least-squares line t = a + b p
-    through the prefill-only steps, a table's measured cells of its first row (no decodes) or another
-    model's own times at the candidates; None when fewer than two points (a table of one prefill
-    column)."""
-    if isinstance(cost, TableCost):
-        row = cost.decode_batch_sizes.index(min(cost.decode_batch_sizes))
-        points = [(p, cost.seconds[row][j]) for j, p in enumerate(cost.prefill_tokens) if p > 0]
-    else:
-        points = [(float(c), cost.seconds_for(0, c)) for c in candidates]
+    through the model's prefill-only step times at a table's measured prefill columns (other
+    models: at the candidates); None when fewer than two points (a table of one prefill column)."""
+    sizes = [p for p in cost.prefill_tokens if p > 0] if isinstance(cost, TableCost) else candidates
+    points = [(float(p), cost.seconds_for(0, p)) for p in sizes]
     if len(points) < 2:
         return None
     mp = sum(p for p, _ in points) / len(points)
