@@ -11,7 +11,14 @@ every variant once, so a shared host's noise falls on all of them alike):
 - int8 (w8a16's linears, w4a16's LM head): native, torch's `_weight_int8pack_mm` with bf16 and
   with fp32 activations.
 The last lines are the sum over one layer's projections x 30 layers, per row count: a step's
-projection time per variant. Prints the CPU and the kernel build it ran on.
+projection time per variant (one layer's weights, so they are in cache). Prints the CPU and the
+kernel build it ran on.
+
+    .venv/bin/python bench/lowbit_bench.py --cold [--rows 1,2,4,8] [--repeats 30]
+
+`--cold`: 30 distinct layers' int4 weights (66 MB for SmolLM2, as a real step reads them from
+memory), the native products of one step (median of --repeats), against a plain read of the same
+bytes (torch sums of the code tensors: the memory floor those products cannot beat).
 """
 
 from __future__ import annotations
@@ -78,12 +85,32 @@ def int8_variants(k: lowbit.LowbitKernels, n: int, kk: int, m: int) -> dict[str,
     }
 
 
+def cold_step(k: lowbit.LowbitKernels, rows: list[int], repeats: int) -> None:
+    """One step's int4 products over LAYERS distinct layers' weights, against reading them."""
+    layers = []
+    for _ in range(LAYERS):
+        layer = []
+        for n, kk in LAYER_SHAPES.values():
+            codes = torch.randint(0, 256, (n, kk // 2), dtype=torch.uint8)
+            layer.append((codes, torch.rand(n, kk // 32) * 0.01, -torch.rand(n, kk // 32) * 0.08, kk))
+        layers.append(layer)
+    mbytes = sum(c.numel() + 8 * s.numel() for layer in layers for c, s, _m, _k in layer) / 2**20
+    read = lambda: [c.view(torch.int64).sum() for layer in layers for c, _s, _m, _k in layer]  # noqa: E731
+    for m in rows:
+        xs = {kk: torch.randn(m, kk) for kk in {kk for _n, kk in LAYER_SHAPES.values()}}
+        step = lambda: [k.int4_matmul(xs[kk], c, s, mn) for layer in layers for c, s, mn, kk in layer]  # noqa: E731
+        us = _median_us({"native": step, "read": read}, repeats)
+        print(f"cold int4 step M={m:<3d} ({mbytes:.0f} MB)  native {us['native'] / 1000:6.2f} ms  "
+              f"plain read {us['read'] / 1000:6.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--skip-head", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="one step over 30 distinct layers' weights (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     k = lowbit.kernels()
@@ -91,6 +118,9 @@ def main() -> None:
         sys.exit(f"the native kernels are not available: {lowbit.describe()}")
     print(f"CPU: {isa_description()}; kernels: {k.name} ({k.path}); threads {args.threads}")
     rows = [int(r) for r in args.rows.split(",")]
+    if args.cold:
+        cold_step(k, rows, args.repeats)
+        return
     for m in rows:
         layer: dict[str, float] = {}
         for name, (n, kk) in LAYER_SHAPES.items():
