@@ -50,7 +50,8 @@ CALIBRATION_VERSION = "7"  # 2: per_swap_token by measure_swap; 3: the attention
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
 # 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
-# 7: the fused step attends a chunk's rows together
+# 7: the fused step attends a chunk's rows together (since then the key also names the low-bit
+# kernels' build, lowbit.describe(), so kernel changes re-measure on their own)
 
 ProgressFn = Callable[[float], None]
 

@@ -196,8 +196,10 @@ def kernels() -> LowbitKernels | None:
 
 
 def describe() -> str:
-    """Which kernels low-bit weights run on, for logs, cache keys and test output."""
+    """Which kernels low-bit weights run on, for logs, cache keys and test output: Magnitude's with
+    their build's key (source, compiler, flags, CPU), so a quantization record or step-cost table
+    measured on other kernel code is not reused; or torch's, and why."""
     if os.environ.get(KERNEL_ENV) == "torch":
         return f"torch ({KERNEL_ENV}=torch)"
     k = kernels()
-    return k.name if k is not None else f"torch ({_failure})"
+    return f"{k.name} build {k.path.stem.removeprefix('lowbit-')[:12]}" if k is not None else f"torch ({_failure})"
