@@ -167,7 +167,8 @@ class TableCost:
 # calibrations of one machine on one day derived targets of 738, 449 and 256 ms (the fitted line:
 # 738, 529 and 630; tests/sim/test_cost.py). The line's intercept is still fitted from few points,
 # so noise moves it less often, not never (another day's three: 158, 111 and 205 ms cell by cell,
-# 158, 212 and 120 on the line). The target then is what that step costs beside TYPICAL_DECODES decodes: derived, not borrowed.
+# 158, 212 and 120 on the line). The target then is what that step costs beside TYPICAL_DECODES
+# decodes: derived, not borrowed.
 PREFILL_EFFICIENCY = 0.9
 # Decodes a "typical" step carries when the chunk and the default target are derived (at most maxSequences).
 TYPICAL_DECODES = 8
