@@ -331,6 +331,20 @@ static void rope_and_store(const magnitude_dims *d, const magnitude_layer *L, fl
     memcpy(L->v_cache + (slot * d->kv_heads + kvh) * D, v, (size_t)D * sizeof(float));
 }
 
+/* The first key a query at `pos` reads: its sliding window's start, else 0. */
+static inline int64_t first_key(int64_t pos, int64_t window) {
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+}
+
+/* The keys [*lo, *hi) of the pool segment [p, p + n) that a query at `pos` reads (empty when
+   *lo >= *hi); returns the query's first key. */
+static inline int64_t keys_in_segment(int64_t p, int64_t n, int64_t pos, int64_t window, int64_t *lo, int64_t *hi) {
+    const int64_t fi = first_key(pos, window);
+    *lo = p > fi ? p : fi;
+    *hi = p + n < pos + 1 ? p + n : pos + 1;
+    return fi;
+}
+
 /* softmax(q K^T * scaling) V for one query head over the row's keys (positions first..pos), read
    from the pool block by block. DIM is the head size when known at compile time (0: d->head_dim),
    so that q and the output stay in registers. */
@@ -397,11 +411,6 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* The first key a query at `pos` reads: its sliding window's start, else 0. */
-static inline int64_t first_key(int64_t pos, int64_t window) {
-    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-}
-
 /* DEFINE_ATTEND's computation for R rows at positions p0..p0+R-1 over one block table (a
    sequence's prefill chunk, or one decode: R = 1) and nh consecutive query heads from h0 (row i's
    head h0+j: q + i*ldq + j*DIM, out likewise with ldo; head h reads KV head h / rep). It walks the
@@ -428,8 +437,8 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
         const float *k0 = L->k_cache + (table[blk] * bs + in) * stride;                           \
         for (int64_t j = 0; j < nh; j++)                                                           \
             for (int64_t i = 0; i < R; i++) {                                                      \
-                const int64_t pos = p0 + i, fi = first_key(pos, L->window);                        \
-                const int64_t lo = p > fi ? p : fi, hi = p + n < pos + 1 ? p + n : pos + 1;        \
+                int64_t lo, hi;                                                                    \
+                const int64_t fi = keys_in_segment(p, n, p0 + i, L->window, &lo, &hi);             \
                 if (lo >= hi) continue;                                                            \
                 const float *qj = q + i * ldq + j * DIM, *kt = k0 + (lo - p) * stride + (h0 + j) / rep * DIM; \
                 float *sj = scores + (i * nh + j) * ld_s, *oj = out + i * ldo + j * DIM;           \
@@ -487,8 +496,8 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
         const float *v0 = L->v_cache + (table[blk] * bs + in) * stride;                           \
         for (int64_t j = 0; j < nh; j++)                                                           \
             for (int64_t i = 0; i < R; i++) {                                                      \
-                const int64_t pos = p0 + i, fi = first_key(pos, L->window);                        \
-                const int64_t lo = p > fi ? p : fi, hi = p + n < pos + 1 ? p + n : pos + 1;        \
+                int64_t lo, hi;                                                                    \
+                const int64_t fi = keys_in_segment(p, n, p0 + i, L->window, &lo, &hi);             \
                 if (lo >= hi) continue;                                                            \
                 const float *vt = v0 + (lo - p) * stride + (h0 + j) / rep * DIM;                   \
                 const float *sj = scores + (i * nh + j) * ld_s;                                    \
@@ -528,7 +537,7 @@ static void attend(const magnitude_dims *d, const magnitude_layer *L, const floa
     (void)ld_s;
     for (int64_t i = 0; i < R; i++)
         for (int64_t head = h0; head < h1; head++) {
-            const int64_t pos = p0 + i, first = L->window > 0 && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0;
+            const int64_t pos = p0 + i, first = first_key(pos, L->window);
             const float *q = qkv + i * ldq + head * D;
             float *o = out + i * ldo + head * D;
 #ifndef __AVX2__
