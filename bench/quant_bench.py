@@ -1,4 +1,4 @@
-"""Which weights on which CPU: step speed and the evaluation record of fp32, bf16, w8a8, w8a16 and w4a16.
+"""Which weights on which CPU: step speed and the evaluation record of fp32, bf16, w8a8, w8a16, w4a16 and w4a8.
 
 For each variant, one `ModelRunner` on the bundled SmolLM2 measures (with `magnitude profile`'s
 `profile_runner`, fastest of --repeats passes after one unmeasured run) a decode step of batch 1, 8 and
@@ -7,7 +7,7 @@ with the ratio to fp32 measured in the same run. Quantized variants also print t
 record (the one the engine judges before serving; cached under ~/.cache/magnitude like the
 engine's). bf16 has no record: it is a dtype, not a quantization.
 
-    .venv/bin/python bench/quant_bench.py [--threads 2] [--variants fp32,bf16,w8a8,w8a16,w4a16] [--out FILE.json]
+    .venv/bin/python bench/quant_bench.py [--threads 2] [--variants fp32,bf16,w8a8,w8a16,w4a16,w4a8] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 VARIANTS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "w8a8": ("float32", "w8a8"),
-            "w8a16": ("float32", "w8a16"), "w4a16": ("float32", "w4a16")}
+            "w8a16": ("float32", "w8a16"), "w4a16": ("float32", "w4a16"), "w4a8": ("float32", "w4a8")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--variants", default="fp32,bf16,w8a8,w8a16,w4a16")
+    ap.add_argument("--variants", default="fp32,bf16,w8a8,w8a16,w4a16,w4a8")
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", help="write the figures as JSON")

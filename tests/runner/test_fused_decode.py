@@ -1,5 +1,5 @@
 """The fused step (runner/fused_decode.py, `magnitude_decode_layers`) against the lean forward on the
-same w4a16 model and the same paged batch: decode steps at several contexts over scattered blocks,
+same w4a16 (or w4a8) model and the same paged batch: decode steps at several contexts over scattered blocks,
 and a step with short chunks, per family (Llama; Mistral and Qwen2 with 8-token windows; Qwen2's q/k/v
 biases). It sums in its own order, so hidden states agree to fp32 rounding, not bit for bit; the
 K/V it writes into the pool must be the lean forward's. A row's result must not depend on the
@@ -7,6 +7,8 @@ rows batched with it or on the thread count. Steps with a long chunk, and models
 keep the lean forward. Tests print the CPU and kernel build."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -29,6 +31,11 @@ DECODES = [([0], 5, 1), ([1, 2, 4], 40, 1), ([10, 3, 12, 5, 14, 7, 16, 6, 18, 11
 # Relative difference from the lean forward: fp32 sums in another order through 2 layers,
 # measured on AVX2 at most 1.6e-6 on the tiny models (bound ~6x that), 3.8e-7 on SmolLM2.
 TINY_TOLERANCE = 1e-5
+# w4a8 fused against its lean forward: the same int8 products; the fp32 sums elsewhere (norms,
+# attention) differ in order, and a value moved across an int8 rounding boundary moves its
+# group's product by ~1e-3. Measured on AVX2: 3e-7 to 6e-7 on the tiny models (no crossing); fp32
+# activations in the fused step instead would be ~1e-2 away (test_w4a8_fused_in_fp32_would_fail).
+W4A8_TOLERANCE = 1e-3
 
 
 def _native_or_skip() -> lowbit.LowbitKernels:
@@ -96,16 +103,39 @@ def _tiny(arch: str, path, head_dim: int | None = None):
     return build_tiny_model(arch, path, config=config)
 
 
-@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("mistral-sliding", None), ("qwen2", None),
-                                           ("qwen2-sliding", None), ("llama", 64), ("mistral-sliding", 64),
-                                           ("qwen2-sliding", 128)])
-def test_a_decode_step_matches_the_lean_forward(arch, head_dim, tmp_path):
+@pytest.mark.parametrize("arch,head_dim,quantization", [
+    ("llama", None, "w4a16"), ("mistral-sliding", None, "w4a16"), ("qwen2", None, "w4a16"),
+    ("qwen2-sliding", None, "w4a16"), ("llama", 64, "w4a16"), ("mistral-sliding", 64, "w4a16"),
+    ("qwen2-sliding", 128, "w4a16"),
+    # w4a8: the same int8 products as its lean forward (each linear's own call); the fp32 sums
+    # elsewhere (norms, attention) can move an activation across an int8 rounding boundary, so
+    # its bound is W4A8_TOLERANCE
+    ("llama", None, "w4a8"), ("mistral-sliding", 64, "w4a8"), ("qwen2-sliding", 128, "w4a8")])
+def test_a_decode_step_matches_the_lean_forward(arch, head_dim, quantization, tmp_path):
     _native_or_skip()
-    runner = _runner(_tiny(arch, tmp_path / arch, head_dim), quantization="w4a16")
+    runner = _runner(_tiny(arch, tmp_path / arch, head_dim), quantization=quantization)
     got, want, fused_cache, lean_cache = _both(runner, DECODES)
-    print(f"\n{arch} head_dim {head_dim or 16} w4a16 fused vs lean: {_rel(got, want):.1e} on {kernel_description('w4a16')}")
-    assert got.shape == want.shape and _rel(got, want) < TINY_TOLERANCE
-    _close_caches(fused_cache, lean_cache, TINY_TOLERANCE)
+    print(f"\n{arch} head_dim {head_dim or 16} {quantization} fused vs lean: {_rel(got, want):.1e} "
+          f"on {kernel_description(quantization)}")
+    tolerance = W4A8_TOLERANCE if quantization == "w4a8" else TINY_TOLERANCE
+    assert got.shape == want.shape and _rel(got, want) < tolerance
+    _close_caches(fused_cache, lean_cache, tolerance)
+
+
+def test_w4a8_fused_in_fp32_would_fail(tmp_path, monkeypatch):
+    """The w4a8 comparison can fail: a fused step that multiplied fp32 activations (the flag lost on
+    the way to C) is outside W4A8_TOLERANCE of the int8 products."""
+    _native_or_skip()
+    from magnitude.runner import fused_decode
+
+    runner = _runner(_tiny("llama", tmp_path / "l", 64), quantization="w4a8")
+    real = fused_decode._native_int4
+    monkeypatch.setattr(fused_decode, "_native_int4",
+                        lambda module, kernel: None if (op := real(module, kernel)) is None
+                        else dataclasses.replace(op, activations="fp32"))
+    got, want, _f, _l = _both(runner, DECODES)
+    print(f"\nw4a8 lean vs a fused step in fp32: {_rel(got, want):.1e}")
+    assert _rel(got, want) > W4A8_TOLERANCE
 
 
 def test_a_dropped_window_would_fail(tmp_path, monkeypatch):
@@ -120,10 +150,10 @@ def test_a_dropped_window_would_fail(tmp_path, monkeypatch):
     assert _rel(got, want) > 1e-3
 
 
-@pytest.mark.parametrize("head_dim", [None, 64])
-def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(head_dim, tmp_path):
+@pytest.mark.parametrize("head_dim,quantization", [(None, "w4a16"), (64, "w4a16"), (64, "w4a8")])
+def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(head_dim, quantization, tmp_path):
     _native_or_skip()
-    runner = _runner(_tiny("qwen2-sliding", tmp_path / "q", head_dim), quantization="w4a16")
+    runner = _runner(_tiny("qwen2-sliding", tmp_path / "q", head_dim), quantization=quantization)
     fused = paged_decoder(runner.model.model)
     gen = torch.Generator().manual_seed(5)
     _prefill(runner, DECODES, gen)
@@ -263,6 +293,16 @@ def test_models_it_does_not_run_keep_the_lean_forward(tmp_path, monkeypatch, dty
     assert fused_decoder(inner, lean_family(inner).window) is None
 
 
+def test_w4a8_is_refused_by_name_where_the_kernels_are_not_in_use(tmp_path, monkeypatch):
+    """w4a8 has no torch fallback: with torch's kernels chosen the load fails naming it, before
+    any linear is replaced."""
+    from magnitude.runner.quantize import QuantizationError
+
+    monkeypatch.setenv(lowbit.KERNEL_ENV, "torch")
+    with pytest.raises(QuantizationError, match="w4a8 runs on Magnitude's low-bit kernels only.*use w4a16"):
+        _runner(build_tiny_model("llama", tmp_path / "l"), quantization="w4a8")
+
+
 def test_an_unquantized_model_never_builds_the_kernels(tmp_path, monkeypatch):
     """paged_decoder runs for every model at load; only low-bit weights need the C build."""
     def no_build(*_a, **_k):
@@ -280,6 +320,44 @@ def test_the_real_models_decode_step(runner_w4a16):
     print(f"\nSmolLM2 w4a16 fused vs lean: {_rel(got, want):.1e} on {kernel_description('w4a16')}")
     assert _rel(got, want) < 1e-4
     _close_caches(fused_cache, lean_cache, 1e-4)
+
+
+def test_the_real_models_w4a8_decode_step(runner_w4a16):
+    """SmolLM2 w4a8 (the w4a16 runner's model with its products switched to int8 activations, the
+    same codes), fused against lean. Over 30 layers int8 rounding amplifies fp32 rounding: a value
+    that crosses a rounding boundary moves its group's product by a quantization step, and that
+    spreads. So the yardstick is the lean forward's own sensitivity: the same step with every norm
+    weight scaled by (1 + 2^-22), about one fp32 rounding, moved it by 6.5e-3 to 1.1e-2 here, fused
+    vs lean by 6.2e-3, w4a8 vs w4a16 1.3e-2 (AVX2). The fused step must stay within 3x the
+    sensitivity; test_w4a8_fused_in_fp32_would_fail is the finer check, on a model too shallow to
+    amplify."""
+    from magnitude.runner.quantize import Int4WeightOnlyLinear
+
+    runner = runner_w4a16
+    linears = [m for m in runner.model.modules() if isinstance(m, Int4WeightOnlyLinear)]
+    norms = [layer.input_layernorm.weight for layer in runner.model.model.layers]
+    seqs = [([60 + b for b in table], cached, n) for table, cached, n in DECODES]
+    _a16, a16_lean, _f, _l = _both(runner, seqs, seed=2)
+    saved = [w.clone() for w in norms]
+    try:
+        for m in linears:
+            m.activations = "int8"
+        got, want, _f, _l = _both(runner, seqs, seed=2)
+        with torch.inference_mode():
+            for w in norms:
+                w.mul_(1 + 2**-22)
+        _g, nudged, _f, _l = _both(runner, seqs, seed=2)
+    finally:
+        for m in linears:
+            m.activations = "fp32"
+        with torch.inference_mode():
+            for w, w0 in zip(norms, saved):
+                w.copy_(w0)
+    sensitivity = _rel(nudged, want)
+    print(f"\nSmolLM2 w4a8 fused vs lean: {_rel(got, want):.1e}; lean vs lean nudged by 2^-22: {sensitivity:.1e}; "
+          f"w4a8 vs w4a16 (lean): {_rel(want, a16_lean):.1e}; on {kernel_description('w4a8')}")
+    assert 0 < sensitivity < _rel(want, a16_lean)
+    assert _rel(got, want) < 3 * sensitivity
 
 
 @pytest.fixture(scope="module")

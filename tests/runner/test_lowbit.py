@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from magnitude.runner import lowbit  # noqa: E402
 from magnitude.runner.quant_eval import isa_description  # noqa: E402
-from magnitude.runner.quantize import Int4WeightOnlyLinear, WeightOnlyInt8Linear  # noqa: E402
+from magnitude.runner.quantize import Int4WeightOnlyLinear, QuantizationError, WeightOnlyInt8Linear  # noqa: E402
 
 # No -march: on x86-64 the build takes the portable C path, the one a CPU without AVX2 runs.
 PORTABLE_FLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC")
@@ -93,6 +93,45 @@ def test_int8_matmul_is_the_dequantized_product(kernel, m, k, n):
     assert rel(got, exact) < 2e-6, rel(got, exact)
 
 
+def q8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """The activations a w4a8 product multiplies: x rounded per group of 32 (lowbit.q8_activations)."""
+    q, d = lowbit.q8_activations(x)
+    m, k = x.shape
+    return (q.reshape(m, k // 32, 32).double() * d.double()[..., None]).reshape(m, k)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("k,n", [(32, 7), (96, 37), (576, 101)])
+def test_int4q8_matmul_is_the_product_of_the_int8_rounded_activations(kernel, m, k, n):
+    """w4a8: the kernel multiplies x rounded to int8 per group of 32 (d = max|x| / 127), exactly the
+    rounding `q8_activations` computes: any code of it rounding one value otherwise would be off
+    by ~1e-3 here, where fp32 summation order gives ~1e-7. And it does round: the fp32 product is
+    ~1e-2 away."""
+    codes, packed, scales, mins = int4_weights(n, k, seed=m * 1000 + k + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    if k > 32:
+        x[0, :32] = 0  # an all-zero group: d = 0
+    got = kernel.int4q8_matmul(x, packed, scales, mins)
+    w = dequantized_int4(codes, scales, mins).t()
+    want = q8_rounded(x) @ w
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert rel(got, want) < 2e-6, rel(got, want)
+    assert rel(got, x.double() @ w) > 1e-4
+
+
+def test_int4q8_carries_a_non_finite_activation_into_its_rows_outputs(kernel):
+    """A NaN or an infinity in a row makes that row's outputs NaN, as the fp32 product's would be,
+    and leaves the other rows alone (it is not rounded into a finite integer)."""
+    codes, packed, scales, mins = int4_weights(24, 96, seed=1)
+    x = torch.randn(3, 96)
+    x[0, 40] = float("nan")
+    x[2, 5] = float("inf")
+    got = kernel.int4q8_matmul(x, packed, scales, mins)
+    assert torch.isnan(got[0]).all() and torch.isnan(got[2]).all()
+    assert torch.isfinite(got[1]).all()
+    assert torch.equal(got[1], kernel.int4q8_matmul(x[1:2].contiguous(), packed, scales, mins)[0])
+
+
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
     """A row's bits are the same alone, in any batch (passes of 8, 4, 2, 1 rows), and with one or
     two threads: the runner and an unbatched reference then agree exactly, and a request's output
@@ -102,14 +141,18 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
     s8 = torch.rand(200) * 0.01
     x = torch.randn(15, 576)
     batched4 = kernel.int4_matmul(x, packed, scales, mins)
+    batched4q8 = kernel.int4q8_matmul(x, packed, scales, mins)
     batched8 = kernel.int8_matmul(x, q8, s8)
     for r in range(x.shape[0]):
-        assert torch.equal(kernel.int4_matmul(x[r : r + 1].contiguous(), packed, scales, mins)[0], batched4[r])
-        assert torch.equal(kernel.int8_matmul(x[r : r + 1].contiguous(), q8, s8)[0], batched8[r])
+        row = x[r : r + 1].contiguous()
+        assert torch.equal(kernel.int4_matmul(row, packed, scales, mins)[0], batched4[r])
+        assert torch.equal(kernel.int4q8_matmul(row, packed, scales, mins)[0], batched4q8[r])
+        assert torch.equal(kernel.int8_matmul(row, q8, s8)[0], batched8[r])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert torch.equal(kernel.int4_matmul(x, packed, scales, mins), batched4)
+        assert torch.equal(kernel.int4q8_matmul(x, packed, scales, mins), batched4q8)
         assert torch.equal(kernel.int8_matmul(x, q8, s8), batched8)
     finally:
         torch.set_num_threads(threads)
@@ -131,6 +174,25 @@ def test_modules_use_the_native_kernel_and_match_torchs(native, monkeypatch):
           f"int8 {rel(fast8(x), slow8(x)):.1e}")
     assert rel(fast4(x), slow4(x)) < 1e-2 and rel(fast8(x), slow8(x)) < 1e-2
     assert rel(fast4(x), lin(x)) < 0.1 and rel(fast8(x), lin(x)) < 0.02
+
+
+def test_the_w4a8_linear_runs_the_int8_activation_product_and_is_refused_without_the_kernels(native, monkeypatch):
+    """w4a8's module multiplies int8-rounded activations (the same codes as w4a16's, so it sits
+    within the rounding of w4a16's product) and says so; where Magnitude's kernels are not in use it
+    is refused by name rather than run another way."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(576, 96, bias=True)
+    x = torch.randn(3, 576)
+    a16, a8 = Int4WeightOnlyLinear(lin), Int4WeightOnlyLinear(lin, activations="int8")
+    assert torch.equal(a16.qweight, a8.qweight) and "A in int8 (magnitude-" in repr(a8)
+    nibbles = a8.qweight.reshape(96, 18, 16).int()  # a group's inputs 0..15 low, 16..31 high
+    w = dequantized_int4(torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(96, 576), a8.scales, a8.mins)
+    assert rel(a8(x), q8_rounded(x) @ w.t() + lin.bias.double()) < 2e-6
+    print(f"\nw4a8 vs w4a16 on {isa_description()}: {rel(a8(x), a16(x)):.1e}")
+    assert 1e-4 < rel(a8(x), a16(x)) < 2e-2
+    monkeypatch.setenv(lowbit.KERNEL_ENV, "torch")
+    with pytest.raises(QuantizationError, match="w4a8 runs on Magnitude's low-bit kernels only"):
+        Int4WeightOnlyLinear(lin, activations="int8")
 
 
 def test_a_cached_build_is_reused_and_keyed_by_the_cpu(tmp_path, monkeypatch):

@@ -81,7 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "else float32 (with w4a16 for a Q4_1 GGUF); auto with a quantization given: float32 on CPU")
     p.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=None,
                    help="CPU weight formats for the decoder linears and LM head: w4a16 = 4-bit weights in groups of "
-                   "32 (GGUF Q4_1's layout), bf16 activations in the kernel, int8 LM head; w8a16 = int8 weights, "
+                   "32 (GGUF Q4_1's layout), int8 LM head, fp32 activations on Magnitude's kernels (bf16 on torch's "
+                   "where a C compiler is missing); w4a8 = w4a16's weights with activations rounded to int8 per group "
+                   "of 32 and integer dot products (GGUF Q4_1 x Q8_1, as llama.cpp; Magnitude's kernels only); "
+                   "w8a16 = int8 weights, "
                    "activations in --dtype (weight-only); w8a8 = int8 weights and activations, SmoothQuant-calibrated "
                    "(int8 is its earlier name); auto (default) = the default weights per device with --dtype auto "
                    "(w4a16 on CPUs without native bf16 serving a Q4_1 GGUF, falling back to float32 if its "

@@ -1,16 +1,15 @@
 """A step's decoder layers in one native call (`magnitude_decode_layers` in lowbit_kernels.c).
 
-The lean forward (paged_decoder.py) still runs about a hundred torch operations per layer; at one
-to a few rows each is mostly framework time, and together they were two thirds of a w4a16 decode
-step at batch 1 (`bench/step_profile.py`). For a model the lean forward takes (transformers'
-Llama, Mistral, Qwen2) with fp32 activations, SiLU, and every projection in w4a16 on Magnitude's
-kernels, `fused_decoder` returns a forward that runs all layers in C: RMSNorm, the fused q/k/v
-product, RoPE with the model's own cos/sin, the K/V write into the paged pool, grouped-query
-attention over each row's blocks (its sliding window, if any), the output projection, the
-SiLU-gated MLP and both residuals. The embeddings, the rotary table and the final norm stay in
-torch. It takes decode steps and steps whose prefill chunks attend to few enough keys
-(`runs_fused`); a step with more, where SDPA's block products win, and every other model go through
-the lean forward.
+The lean forward (paged_decoder.py) still runs about a hundred torch operations per layer; at one to
+a few rows each is mostly framework time, and together they were two thirds of a w4a16 decode step
+at batch 1 (`bench/step_profile.py`). For a model the lean forward takes (transformers' Llama,
+Mistral, Qwen2) with fp32 activations, SiLU, and every projection in w4a16 (or every one in w4a8) on
+Magnitude's kernels, `fused_decoder` returns a forward that runs all layers in C: RMSNorm, the fused
+q/k/v product, RoPE with the model's own cos/sin, the K/V write into the paged pool, grouped-query
+attention over each row's blocks (its sliding window, if any), the output projection, the SiLU-gated
+MLP and both residuals. The embeddings, the rotary table and the final norm stay in torch. It takes
+decode steps and steps whose prefill chunks attend to few enough keys (`runs_fused`); a step with
+more, where SDPA's block products win, and every other model go through the lean forward.
 
 It computes what the lean forward computes, in another order (its own sums, no SDPA), so its
 results agree to fp32 rounding, not bit for bit; tests/runner/test_fused_decode.py bounds the
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                      "block_size", "table_width")] + \
-               [("eps", ctypes.c_float), ("scaling", ctypes.c_float)]
+               [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act_int8", ctypes.c_int64)]
 
 
 _LAYER_POINTERS = ("in_norm", "post_norm", "qkv_codes", "qkv_scales", "qkv_mins", "qkv_bias", "o_codes", "o_scales",
@@ -56,17 +55,18 @@ class _Int4:
     scales: torch.Tensor
     mins: torch.Tensor
     bias: torch.Tensor | None
+    activations: str  # "fp32" (w4a16) or "int8" (w4a8)
 
 
 def _native_int4(module: nn.Module | Int4Group | None, kernel: lowbit.LowbitKernels) -> _Int4 | None:
-    """The int4 operands of a fused group or a w4a16 linear on `kernel`, fp32 bias; else None."""
+    """The int4 operands of a fused group or a w4a16/w4a8 linear on `kernel`, fp32 bias; else None."""
     linear = module.fused if isinstance(module, Int4Group) else module
     if type(linear) is not Int4WeightOnlyLinear or linear.kernel is not kernel:
         return None
     bias = linear.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    return _Int4(linear.qweight, linear.scales, linear.mins, bias)
+    return _Int4(linear.qweight, linear.scales, linear.mins, bias, linear.activations)
 
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], "torch.Tensor | None"]
@@ -104,7 +104,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                   choose: Callable[[PagedBatch], bool] = runs_fused) -> DecodeFn | None:
     """The fused forward for `inner` (already accepted by paged_decoder.lean_family, whose
     `window(attn)` gives each layer's sliding window), or None when the model is not one it runs:
-    not w4a16 on Magnitude's kernels throughout, not fp32, or not SiLU. The forward returns None for
+    not w4a16 (or not w4a8) on Magnitude's kernels throughout, not fp32, or not SiLU. The forward returns None for
     a step `choose` declines (by default `runs_fused`), for the caller to run the lean forward.
 
     The weights' addresses are taken now (their tensors kept alive with the forward): a model whose
@@ -128,6 +128,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         return None
     keep: list[torch.Tensor] = []  # every tensor a pointer is taken from, alive as long as the forward
     weights: list[dict[str, int]] = []
+    activations: set[str] = set()  # one kind throughout: the C code takes one flag for every product
     windows: list[int] = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -137,6 +138,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if None in (qkv, gate_up, o, down) or any(n.weight.dtype != torch.float32 for n in norms):
             return None
+        activations.update(op.activations for op in (qkv, gate_up, o, down))
         if attn.head_dim != head_dim or float(attn.scaling) != float(attn0.scaling):
             return None
         entry: dict[str, int] = {}
@@ -153,7 +155,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         weights.append(entry)
         windows.append(window(attn) or 0)
     eps = {float(n.variance_epsilon) for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
-    if len(eps) != 1:
+    if len(eps) != 1 or len(activations) != 1:
         return None
     lib = kernel.lib
     table = (_Layer * len(layers))()
@@ -162,7 +164,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
             setattr(table[i], name, ptr)
         table[i].window = win
     dims = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling))
+                intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling),
+                act_int8=int(activations.pop() == "int8"))
     rotary = inner.rotary_emb
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor | None:

@@ -5,7 +5,9 @@ A small decode batch multiplies a few activation rows by every weight once. torc
 weight-only CPU kernels decode the weights again for each row and, on their fast path, round the
 activations to bf16; `lowbit_kernels.c` decodes each weight block once for up to 8 rows and keeps
 the activations in fp32 (measured with `bench/lowbit_bench.py`). quantize.py's w4a16 and w8a16
-linears call these kernels where they load and fall back to torch's where not.
+linears call these kernels where they load and fall back to torch's where not; w4a8's (int4 weights
+times int8-rounded activations, integer dot products) exist only here, so w4a8 is refused where
+they do not load.
 
 The C source is compiled at first use with the system C compiler for this CPU (`-march=native`,
 OpenMP) into `$MAGNITUDE_CACHE/kernels/lowbit-<key>.so`, the key hashing the source, the compiler,
@@ -70,6 +72,19 @@ class LowbitKernels:
                                        mins.data_ptr(), y.data_ptr(), torch.get_num_threads())
         return y
 
+    def int4q8_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      mins: torch.Tensor) -> torch.Tensor:
+        """As `int4_matmul`, with x's rows first quantized to int8 per group of 32 inputs
+        (`q8_activations` gives the same rounding in torch): the w4a8 product."""
+        m, k = x.shape
+        if k % K_MULTIPLE or codes.shape[1] * 2 != k:
+            raise ValueError(f"int4 product: x has {k} columns, the weights {codes.shape[1] * 2} (a multiple of 32)")
+        y = torch.empty(m, codes.shape[0], dtype=torch.float32)
+        if self.lib.magnitude_int4q8_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
+                                            mins.data_ptr(), y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"int4 x int8 product: no memory for {m} x {k} int8 activations")
+        return y
+
     def int8_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 @ W^T -> [M, N] fp32; W as codes [N, K] int8 times scales [N] fp32."""
         m, k = x.shape
@@ -81,6 +96,19 @@ class LowbitKernels:
         return y
 
 
+def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (q [M, K] int8 values as fp32, d [M, K/32]): the rounding the w4a8 products
+    apply to their input (lowbit_kernels.c `quantize_rows_q8`), figure for figure: per group of 32,
+    d = max|x| / 127 and q = round-half-even(x * (1 / d)), all in fp32. q * d is the activation the
+    product multiplies; tests compare the kernels with it."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // K_MULTIPLE, K_MULTIPLE)
+    d = g.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(g * inv[..., None])
+    return q.reshape(m, k), d
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.magnitude_lowbit_isa.restype = ctypes.c_char_p
@@ -88,6 +116,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.magnitude_int4_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, i32]
     lib.magnitude_int8_matmul.argtypes = [p, i64, i64, i64, p, p, p, i32]
     lib.magnitude_int4_matmul.restype = None
+    lib.magnitude_int4q8_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, i32]
+    lib.magnitude_int4q8_matmul.restype = ctypes.c_int
     lib.magnitude_int8_matmul.restype = None
     # (dims, layers, n_layers, h, m, positions, tables, cos, sin, threads): runner/fused_decode.py
     lib.magnitude_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, i32]

@@ -1,4 +1,4 @@
-"""Low-bit weights for the decoder's linear projections and the LM head (CPU): three methods.
+"""Low-bit weights for the decoder's linear projections and the LM head (CPU): four methods.
 
 - `w4a16` (weight-only, 4-bit): `Int4WeightOnlyLinear` keeps 4-bit weights in groups of 32 input
   channels with a scale and a minimum per group, the layout of GGUF's Q4_1 blocks. A weight that is
@@ -9,6 +9,12 @@
   the activations stay fp32, so the decoder's products are the fp32 model's up to summation order;
   else torch's kernels run with bf16 activations, scales and outputs (their fast path), which is
   what the "a16" of the name stands for. `lowbit.describe()` says which ran.
+- `w4a8`: w4a16's weights (the same codes, the same int8 LM head), with each decoder product's
+  input rounded to int8 per group of 32 inputs (d = max|x| / 127) and multiplied by integer dot
+  products: GGUF's Q4_1 x Q8_1, what llama.cpp runs for these weights. The weights are never
+  converted to fp32, so a one-row product runs near memory speed (lowbit_kernels.c has the
+  figures); the activation rounding is its error, which its evaluation record measures. Magnitude's
+  kernels only: refused where they are not built.
 - `w8a16` (weight-only): `WeightOnlyInt8Linear` keeps int8 weights with one scale per output
   channel and multiplies activations in the model's dtype (Magnitude's kernel in fp32, else
   `torch._weight_int8pack_mm`). No activation rounding, so its error is the weights' alone
@@ -268,20 +274,31 @@ class Int4WeightOnlyLinear(nn.Module):
     - else torch's `_weight_int4pack_mm_for_cpu`, with x, the scales and y rounded to bf16 (its fast
       path; fp32 activations run a scalar loop on AVX2).
 
+    `activations="int8"` (w4a8) rounds x to int8 per group of 32 inputs (`lowbit.q8_activations`)
+    and multiplies with integer dot products, Magnitude's kernels only (QuantizationError where they
+    are not built).
+
     `grid_error` is the largest |W - dequant(codes)| relative to the group's scale: ~0 when W was
     already on a 4-bit grid (de-quantized Q4_1), up to 0.5 otherwise."""
 
-    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP, activations: str = "fp32") -> None:
         super().__init__()
         w = linear.weight.detach()
         n, k = w.shape
+        method = "w4a8" if activations == "int8" else "w4a16"
+        if activations not in ("fp32", "int8"):
+            raise ValueError(f"activations {activations!r}: expected fp32 or int8")
         if k % group:
-            raise QuantizationError(f"w4a16 needs input features divisible by {group}; a linear has {k}")
+            raise QuantizationError(f"{method} needs input features divisible by {group}; a linear has {k}")
         codes, scale, lo = int4_codes(w, group)
         recon = codes.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]
         err = (recon - w.float().reshape(n, k // group, group)).abs().amax(dim=-1)
         self.grid_error = float((err / scale.clamp(min=1e-30)).where(scale > 0, torch.zeros_like(err)).max())
         self.kernel = lowbit.kernels() if group == lowbit.K_MULTIPLE else None
+        if activations == "int8" and self.kernel is None:
+            raise QuantizationError(f"w4a8 runs on Magnitude's low-bit kernels only, and they are not in use here "
+                                    f"({lowbit.describe()}); use w4a16")
+        self.activations = activations
         if self.kernel is not None:
             # Two codes a byte, a group's first 16 inputs in the low nibbles (Q4_1's order).
             halves = codes.reshape(n, k // group, 2, group // 2)
@@ -302,8 +319,9 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.kernel is not None:
-            return _native_output(self.kernel.int4_matmul(_fp32_rows(x, self.in_features), self.qweight,
-                                                          self.scales, self.mins), x, self.bias)
+            product = self.kernel.int4q8_matmul if self.activations == "int8" else self.kernel.int4_matmul
+            return _native_output(product(_fp32_rows(x, self.in_features), self.qweight, self.scales, self.mins),
+                                  x, self.bias)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
@@ -311,7 +329,8 @@ class Int4WeightOnlyLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        activations = f"A in fp32 ({self.kernel.name})" if self.kernel is not None else "A in bf16 (torch)"
+        activations = (f"A in {self.activations} ({self.kernel.name})" if self.kernel is not None
+                       else "A in bf16 (torch)")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"4-bit W (groups of {self.group}, scale + min), {activations}")
 
@@ -361,7 +380,7 @@ class Int4FusedMember(nn.Module):
         return f"member {self.index} of a fused w4a16 product, out_features={self.out_features}"
 
 
-def _fuse_int4(parent: nn.Module, names: tuple[str, ...], members: list[nn.Linear]) -> None:
+def _fuse_int4(parent: nn.Module, names: tuple[str, ...], members: list[nn.Linear], activations: str) -> None:
     """Replace `members` (same input features) by slices of one Int4WeightOnlyLinear over their
     stacked rows: per-group codes and scales are per output row, so stacking changes no code."""
     stacked = nn.Linear(members[0].in_features, sum(m.out_features for m in members),
@@ -371,7 +390,7 @@ def _fuse_int4(parent: nn.Module, names: tuple[str, ...], members: list[nn.Linea
         stacked.bias = nn.Parameter(torch.cat([m.bias.detach() if m.bias is not None else
                                                torch.zeros(m.out_features, dtype=m.weight.dtype) for m in members]),
                                     requires_grad=False)
-    group = Int4Group(Int4WeightOnlyLinear(stacked), [m.out_features for m in members])
+    group = Int4Group(Int4WeightOnlyLinear(stacked, activations=activations), [m.out_features for m in members])
     for i, (name, m) in enumerate(zip(names, members)):
         setattr(parent, name, Int4FusedMember(group, i, m.out_features))
 
@@ -443,16 +462,20 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
         for parent, name, child in targets:
             replace(parent, name, WeightOnlyInt8Linear(child), child)
         return len(targets)
-    if method == "w4a16":
+    if method in ("w4a16", "w4a8"):
+        activations = "int8" if method == "w4a8" else "fp32"
         bad = [f"{name} ({c.in_features})" for _, name, c in targets if c.in_features % INT4_GROUP]
         if bad:  # before replacing any: a half-quantized model would be neither method
-            raise QuantizationError(f"w4a16 needs input features divisible by {INT4_GROUP}: {', '.join(bad)}")
+            raise QuantizationError(f"{method} needs input features divisible by {INT4_GROUP}: {', '.join(bad)}")
+        if method == "w4a8" and lowbit.kernels() is None:  # also before replacing any
+            raise QuantizationError(f"w4a8 runs on Magnitude's low-bit kernels only, and they are not in use here "
+                                    f"({lowbit.describe()}); use w4a16")
         fused: set[int] = set()
         for parent in {id(p): p for p, _, _ in targets}.values():
             for names in FUSED_INPUT_SIBLINGS:
                 members = [getattr(parent, n, None) for n in names]
                 if all(isinstance(m, nn.Linear) for m in members):
-                    _fuse_int4(parent, names, members)
+                    _fuse_int4(parent, names, members, activations)
                     fused.update(id(m) for m in members)
                     for m in members:
                         drop_pages(m.weight, mapped)
@@ -462,8 +485,8 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
             # The LM head stays 8-bit: GGUFs keep it (tied to the embeddings) above 4 bits, and in
             # 4 bits SmolLM2's top-1 agreement with fp32 fell to 0.78 (int8: see the record).
             head = parent is model and name == "lm_head"
-            replace(parent, name, WeightOnlyInt8Linear(child, torch.bfloat16) if head else Int4WeightOnlyLinear(child),
-                    child)
+            replace(parent, name, WeightOnlyInt8Linear(child, torch.bfloat16) if head
+                    else Int4WeightOnlyLinear(child, activations=activations), child)
         return len(targets)
     absmax = calibrate_input_absmax(model, [c for _, _, c in targets], calibration_ids, device) if calibration_ids else {}
     for parent, name, child in targets:
