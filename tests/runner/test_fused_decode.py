@@ -303,6 +303,27 @@ def test_w4a8_is_refused_by_name_where_the_kernels_are_not_in_use(tmp_path, monk
         _runner(build_tiny_model("llama", tmp_path / "l"), quantization="w4a8")
 
 
+def test_the_rope_table_gives_the_rotary_modules_rows(tmp_path, monkeypatch):
+    """The fused step's cos/sin come from a table built by the model's own rotary module and
+    indexed by position: the same bits as calling the module for those positions, past the first
+    1,024 rows too (the table grows); a RoPE type that rescales with the length calls the module."""
+    from magnitude.runner.fused_decode import _RopeTable
+
+    runner = _runner(build_tiny_model("llama", tmp_path / "l"))
+    rotary = runner.model.model.rotary_emb
+    table = _RopeTable(rotary)
+    assert table.static
+    h = torch.randn(1, 5, runner.model.config.hidden_size)
+    for positions in ([[0, 7, 100, 101, 1023]], [[5, 1024, 2047, 2500, 3]]):
+        pos = torch.tensor(positions)
+        cos, sin = table.rows(h, pos)
+        want_cos, want_sin = rotary(h, position_ids=pos)
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    assert table.cos.shape[0] >= 2501
+    monkeypatch.setattr(rotary, "rope_type", "dynamic")
+    assert not _RopeTable(rotary).static
+
+
 def test_an_unquantized_model_never_builds_the_kernels(tmp_path, monkeypatch):
     """paged_decoder runs for every model at load; only low-bit weights need the C build."""
     def no_build(*_a, **_k):

@@ -148,6 +148,14 @@ def test_broken_logits_are_refused_for_greedy_rows_too():
     logits[1, 5] = float("nan")
     with pytest.raises(ValueError, match=r"rows \[1\]"):
         Sampler(torch.device("cpu"), seed=0).choose(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
+    # +inf anywhere, or nothing but -inf, is refused too; -inf beside finite logits is a masked token
+    logits = _logits(4, seed=4)
+    logits[0, 2] = float("inf")
+    logits[1] = float("-inf")
+    logits[2, :7] = float("-inf")
+    logits[3, -1] = float("nan")
+    with pytest.raises(ValueError, match=r"rows \[0, 1, 3\]"):
+        Sampler(torch.device("cpu"), seed=0).choose(logits, [SamplingParams(temperature=0.0)] * 4, [0] * 4)
 
 
 @pytest.mark.parametrize("top_p", [1e-12, 1e-300, 5e-324])

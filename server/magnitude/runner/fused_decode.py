@@ -7,7 +7,7 @@ Mistral, Qwen2) with fp32 activations, SiLU, and every projection in w4a16 (or e
 Magnitude's kernels, `fused_decoder` returns a forward that runs all layers in C: RMSNorm, the fused
 q/k/v product, RoPE with the model's own cos/sin, the K/V write into the paged pool, grouped-query
 attention over each row's blocks (its sliding window, if any), the output projection, the SiLU-gated
-MLP and both residuals. The embeddings, the rotary table and the final norm stay in torch. It takes
+MLP, both residuals and the final norm. The embeddings and the rotary table stay in torch. It takes
 decode steps and steps whose prefill chunks attend to few enough keys (`runs_fused`); a step with
 more, where SDPA's block products win, and every other model go through the lean forward.
 
@@ -71,6 +71,38 @@ def _native_int4(module: nn.Module | Int4Group | None, kernel: lowbit.LowbitKern
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], "torch.Tensor | None"]
 
+# RoPE types whose frequencies are fixed at load (transformers' "dynamic" and "longrope" rescale
+# them with the sequence length): their cos/sin rows depend on the position alone.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class _RopeTable:
+    """cos/sin rows by position. For a static RoPE type, computed once by the model's own rotary
+    module over positions 0..n-1 (grown by doubling) and indexed per step: each element is
+    position x frequency then cos/sin, elementwise, so a row is the one the module would give for
+    that position alone, without its ~0.2 ms of framework work per step. Other types call the
+    module every step."""
+
+    def __init__(self, rotary: nn.Module) -> None:
+        self.rotary = rotary
+        self.static = isinstance(getattr(rotary, "rope_type", None), str) and rotary.rope_type in STATIC_ROPE_TYPES
+        self.cos = self.sin = torch.empty(0)
+
+    def rows(self, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, head_dim] for the step's positions ([1, T])."""
+        if not self.static:
+            cos, sin = self.rotary(h, position_ids=position_ids)
+            return cos[0].contiguous(), sin[0].contiguous()
+        need = int(position_ids.max()) + 1
+        if need > self.cos.shape[0]:
+            # doubling, but not past the model's own context unless a position is there already
+            limit = getattr(self.rotary, "max_seq_len_cached", None) or need
+            n = max(need, min(max(2 * self.cos.shape[0], 1024), limit))
+            cos, sin = self.rotary(h[:1], position_ids=torch.arange(n, device=h.device)[None])
+            self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        index = position_ids[0]
+        return self.cos[index], self.sin[index]
+
 
 # Which steps run fused. Its products beat the lean forward's up to 64 rows, and its attention
 # (a pool block at a time for all of a chunk's rows and a row's heads) beats SDPA on chunks until
@@ -104,8 +136,9 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                   choose: Callable[[PagedBatch], bool] = runs_fused) -> DecodeFn | None:
     """The fused forward for `inner` (already accepted by paged_decoder.lean_family, whose
     `window(attn)` gives each layer's sliding window), or None when the model is not one it runs:
-    not w4a16 (or not w4a8) on Magnitude's kernels throughout, not fp32, or not SiLU. The forward returns None for
-    a step `choose` declines (by default `runs_fused`), for the caller to run the lean forward.
+    not w4a16 (or not w4a8) on Magnitude's kernels throughout, not fp32, or not SiLU. The forward
+    returns the final norm's output, or None for a step `choose` declines (by default
+    `runs_fused`), for the caller to run the lean forward.
 
     The weights' addresses are taken now (their tensors kept alive with the forward): a model whose
     modules or buffers are replaced later needs a new forward, as runner.py builds after quantizing."""
@@ -155,8 +188,11 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         weights.append(entry)
         windows.append(window(attn) or 0)
     eps = {float(n.variance_epsilon) for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
-    if len(eps) != 1 or len(activations) != 1:
+    if len(eps) != 1 or len(activations) != 1 or inner.norm.weight.dtype != torch.float32:
         return None
+    final_norm = inner.norm.weight.detach().contiguous()
+    keep.append(final_norm)
+    final_eps = float(inner.norm.variance_epsilon)
     lib = kernel.lib
     table = (_Layer * len(layers))()
     for i, (entry, win) in enumerate(zip(weights, windows)):
@@ -166,7 +202,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     dims = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling),
                 act_int8=int(activations.pop() == "int8"))
-    rotary = inner.rotary_emb
+    rope = _RopeTable(inner.rotary_emb)
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor | None:
         if not choose(batch):
@@ -183,8 +219,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                             or positions.max() // batch.block_size >= tables.shape[1]):
             raise ValueError(f"fused step: a block id outside the pool's {blocks} blocks or a position past its table")
         h = inner.embed_tokens(input_ids)[0].contiguous()  # [T, hidden], fresh: updated in place
-        cos, sin = rotary(h, position_ids=position_ids)
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+        cos, sin = rope.rows(h, position_ids)  # [T, head_dim]
         if cos.shape[-1] != head_dim:  # partial rotary: not something these families do
             return None
         for i in range(len(layers)):
@@ -193,7 +228,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         d = _Dims(block_size=batch.block_size, table_width=tables.shape[1], **dims)
         rc = lib.magnitude_decode_layers(ctypes.byref(d), table, len(layers), h.data_ptr(), h.shape[0],
                                          positions.ctypes.data, tables.ctypes.data, cos.data_ptr(), sin.data_ptr(),
-                                         torch.get_num_threads())
+                                         final_norm.data_ptr(), final_eps, torch.get_num_threads())
         if rc != 0:  # nothing was written: the lean forward runs the step
             log.warning("fused step declined (%s); this step runs the lean forward",
                         "out of memory" if rc == -1 else "a shape it does not take")

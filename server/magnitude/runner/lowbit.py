@@ -119,8 +119,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.magnitude_int4q8_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, i32]
     lib.magnitude_int4q8_matmul.restype = ctypes.c_int
     lib.magnitude_int8_matmul.restype = None
-    # (dims, layers, n_layers, h, m, positions, tables, cos, sin, threads): runner/fused_decode.py
-    lib.magnitude_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, i32]
+    # (dims, layers, n_layers, h, m, positions, tables, cos, sin, final_norm, final_eps, threads):
+    # runner/fused_decode.py
+    lib.magnitude_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, ctypes.c_float, i32]
     lib.magnitude_decode_layers.restype = ctypes.c_int
 
 

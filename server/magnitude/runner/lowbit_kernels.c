@@ -798,13 +798,14 @@ static int64_t attention_items(const magnitude_dims *d, int64_t m, const int64_t
     return n;
 }
 
-/* h [m][hidden] (the embeddings in, the last layer's residual stream out) through n_layers layers.
+/* h [m][hidden] (the embeddings in, the last layer's residual stream out) through n_layers layers,
+   then, with final_norm, the model's final RMSNorm (weight [hidden], final_eps) on every row.
    positions [m], tables [m][table_width] (block ids, checked by the caller), cos/sin [m][head_dim].
    Returns 0; -1 when out of memory, -2 for shapes it does not take (h and the pool are then
    unchanged, so the caller can run the step another way). */
 int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *layers, int64_t n_layers, float *h,
                             int64_t m, const int64_t *positions, const int64_t *tables, const float *cos,
-                            const float *sin, int threads) {
+                            const float *sin, const float *final_norm, float final_eps, int threads) {
     const int64_t H = d->hidden, D = d->head_dim, I = d->intermediate;
     const int64_t nqkv = (d->heads + 2 * d->kv_heads) * D, nattn = d->heads * D;
     int64_t max_len = 1;
@@ -887,6 +888,8 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 int4_share(act, m, I, L->down_codes, L->down_scales, L->down_mins, L->down_bias, h, H, a, b, 1, tmp, q8);
                 barrier_wait(&bar, &sense);
             }
+            /* in place: a row's sum of squares is taken before any of it is written */
+            if (final_norm) rms_norm_rows(h, final_norm, h, m, H, final_eps, t, nt);
         }
         free(scores);
         free(q8s.q);

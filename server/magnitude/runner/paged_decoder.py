@@ -78,10 +78,8 @@ def paged_decoder(inner: nn.Module) -> DecoderFn:
         return lambda input_ids, position_ids, batch: lean_forward(inner, family, input_ids, position_ids, batch)
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        h = fused(input_ids, position_ids, batch)
-        if h is None:
-            return lean_forward(inner, family, input_ids, position_ids, batch)
-        return _rms_norm(inner.norm, h)
+        h = fused(input_ids, position_ids, batch)  # the final norm included
+        return lean_forward(inner, family, input_ids, position_ids, batch) if h is None else h
 
     return forward
 

@@ -156,7 +156,9 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
 def check_logits(logits: torch.Tensor) -> None:
     """Raise ValueError naming the rows with a NaN or +inf logit, or no finite one: argmax would
     "choose" from them (NaN counts as the maximum) and the random draw cannot."""
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+    # One pass: a row's maximum is NaN if it holds a NaN (torch's max propagates it), +inf if it
+    # holds +inf, -inf if every logit is -inf; finite exactly when the row can be sampled.
+    bad = ~torch.isfinite(logits.amax(-1))
     if bool(bad.any()):
         raise ValueError(f"sampling rows {bad.nonzero()[:, 0].tolist()}: logits are NaN, infinite or all -inf")
 
