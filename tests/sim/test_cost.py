@@ -111,10 +111,10 @@ def sp_with_target():
 
 
 # w4a16 step tables from `magnitude serve`'s start-up calibration (decodes 0/1/4/16 x prefill
-# 0/16/64/256) on one 2-core AMD EPYC (AVX2), in two sets of three: one code version each, the
-# tables of a set hours apart. The prefill rows are nearly proportional to tokens (about 120-170
-# tok/s in the first set, 210-250 in the second), so which chunk looks "within 90% of the best
-# cell" is decided by single noisy cells.
+# 0/16/64/256) on one 2-core AMD EPYC (AVX2), in two sets: one code version each (the second set's
+# last table one version later), the tables of a set hours apart. The prefill rows are nearly
+# proportional to tokens (about 120-170 tok/s in the first set, 200-250 in the second), so which
+# chunk is "within 90% of the best rate" hangs on few noisy cells.
 SAME_MACHINE_TABLES = {
     "2026-12-01": [
         ((0.0, 0.1378, 0.4368, 1.5165), (0.0387, 0.1378, 0.4428, 1.6617), (0.0853, 0.1939, 0.475, 1.6658),
@@ -131,6 +131,9 @@ SAME_MACHINE_TABLES = {
          (0.0966, 0.1503, 0.482, 1.4215)),
         ((0.0, 0.0733, 0.255, 1.1934), (0.0303, 0.0813, 0.3026, 1.1934), (0.0303, 0.082, 0.3519, 1.1934),
          (0.1499, 0.1966, 0.4172, 1.3914)),
+        # 07:15, the next code version (its prefill-only 64-token cell ran ~60% slow)
+        ((0.0, 0.0881, 0.3668, 1.2555), (0.0165, 0.0881, 0.4071, 1.2802), (0.0326, 0.0902, 0.4282, 1.4378),
+         (0.1223, 0.1964, 0.5602, 1.5104)),
     ],
 }
 
@@ -141,20 +144,28 @@ def _derive(seconds, decodes=(0.0, 1.0, 4.0, 16.0), prefills=(0.0, 16.0, 64.0, 2
 
 @pytest.mark.parametrize("day", sorted(SAME_MACHINE_TABLES))
 def test_calibrations_of_one_machine_derive_similar_targets(day) -> None:
-    """Judged cell by cell, the first set derived chunks 96, 48 and 16 and targets of 738, 449 and
-    256 ms; on the fitted line each set's targets stay within 2x of each other."""
+    """Each set's derived targets stay within 3x of each other (the smaller of the two lines'
+    chunks: 2.9x in the first set, 2.2x in the second). Least squares alone gave 1.4x in the first
+    set but 4.3x in the second, where the last table's one slow cell pulled its chunk to 64 tokens
+    and its target to 472 ms (its neighbours: 16 tokens, 111-158 ms)."""
     targets = []
     for seconds in SAME_MACHINE_TABLES[day]:
         limits = _derive(seconds)
         assert limits.source == "derived" and limits.warning is None
         targets.append(limits.itl_target_ms)
-    assert max(targets) < 2 * min(targets), targets
+    assert max(targets) < 3 * min(targets), targets
 
 
 def test_the_efficient_step_on_the_fitted_line() -> None:
-    """The first set's chunks and targets exactly, and the line's edge cases."""
+    """Both sets' chunks and targets exactly, and the line's edge cases."""
     assert [(x.prefill_chunk_size, x.itl_target_ms) for x in map(_derive, SAME_MACHINE_TABLES["2026-12-01"])] == \
-        [(96, 738.3), (64, 529.2), (64, 629.5)]
+        [(96, 738.3), (48, 448.7), (16, 256.0)]
+    assert [(x.prefill_chunk_size, x.itl_target_ms) for x in map(_derive, SAME_MACHINE_TABLES["2026-12-02"])] == \
+        [(16, 158.0), (16, 110.7), (16, 120.2), (32, 241.2)]
+    # One cell of three far off the others' line: the medians follow the two (least squares: 64
+    # tokens), and the smaller choice is taken.
+    outlier = ((0.0, 0.08, 0.48, 1.28), (0.01, 0.09, 0.49, 1.29))
+    assert efficient_prefill_step(TableCost((0.0, 1.0), (0.0, 16.0, 64.0, 256.0), outlier), 8)[0] == 16
     # No fixed cost (the line through the origin or below it): the smallest step is as efficient.
     proportional = ((0.0, 0.16, 0.64, 2.56), (0.01, 0.17, 0.65, 2.57))
     assert efficient_prefill_step(TableCost((0.0, 1.0), (0.0, 16.0, 64.0, 256.0), proportional), 8)[0] == 16

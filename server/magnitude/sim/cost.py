@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -161,13 +162,13 @@ class TableCost:
 # prefill rate (tokens per second) the cost model allows: bigger steps would buy under 10% more
 # throughput with a longer stall for every running stream, smaller ones lose throughput quickly on
 # hardware whose per-step cost is mostly reading the weights (a CPU at low precision, or a GPU at
-# small batches). The rate is judged on a straight line fitted through the prefill-only steps (a
-# fixed cost per step and a cost per token), not cell by cell: where a step costs nearly the same
-# per token at every size (this CPU's w4a16), single noisy cells otherwise decide: three
-# calibrations of one machine on one day derived targets of 738, 449 and 256 ms (the fitted line:
-# 738, 529 and 630; tests/sim/test_cost.py). The line's intercept is still fitted from few points,
-# so noise moves it less often, not never (another day's three: 158, 111 and 205 ms cell by cell,
-# 158, 212 and 120 on the line). The target then is what that step costs beside TYPICAL_DECODES
+# small batches). The rate is judged on straight lines fitted through the prefill-only steps (a
+# fixed cost per step and a cost per token), not cell by cell, and of the least-squares and the
+# Theil-Sen line's choices the smaller step is taken. Where a step costs nearly the same per token
+# at every size (this CPU's w4a16) the intercept is small against the cells' noise, so tables of
+# one machine still differ: one day's three derived 738, 449 and 256 ms, another day's four 158,
+# 111, 120 and 241 ms (least squares alone: 738, 529, 630 and 158, 111, 120, 472;
+# tests/sim/test_cost.py). The target then is what that step costs beside TYPICAL_DECODES
 # decodes: derived, not borrowed.
 PREFILL_EFFICIENCY = 0.9
 # Decodes a "typical" step carries when the chunk and the default target are derived (at most maxSequences).
@@ -197,36 +198,51 @@ class SchedulerLimits:
                 "itlTargetMs": self.itl_target_ms, "source": self.source}
 
 
-def _fitted_step_cost(cost: CostModel, candidates: list[int]) -> tuple[float, float] | None:
-    """(fixed seconds per step, seconds per prefill token): the least-squares line t = a + b p
-    through the model's prefill-only step times at a table's measured prefill columns (other
-    models: at the candidates); None when fewer than two points (a table of one prefill column)."""
+def _fitted_step_costs(cost: CostModel, candidates: list[int]) -> list[tuple[float, float]]:
+    """Lines t = a + b p (a: fixed seconds per step, b: seconds per prefill token) through the
+    model's prefill-only step times at a table's measured prefill columns (other models: at the
+    candidates): least squares, and Theil-Sen (b the median of the slopes between pairs of points,
+    a the median of t - b p). Empty when fewer than two points (a table of one prefill column).
+    With three noisy points each can be thrown by one cell: least squares by a slow middle cell
+    (a 64-token cell 60% slow derived 64 tokens and a 472 ms target where the same machine's other
+    tables derived 16 tokens and 111-158 ms), the medians by a flat last column (a 256-token cell
+    no dearer at any batch, on busy cores, pulled them to 192 tokens and 1.4 s)."""
     sizes = [p for p in cost.prefill_tokens if p > 0] if isinstance(cost, TableCost) else candidates
     points = [(float(p), cost.seconds_for(0, p)) for p in sizes]
     if len(points) < 2:
-        return None
+        return []
     mp = sum(p for p, _ in points) / len(points)
     mt = sum(t for _, t in points) / len(points)
     b = sum((p - mp) * (t - mt) for p, t in points) / sum((p - mp) ** 2 for p, _ in points)
-    return mt - b * mp, b
+    slopes = [(t2 - t1) / (p2 - p1) for i, (p1, t1) in enumerate(points) for p2, t2 in points[i + 1:] if p2 != p1]
+    median_b = statistics.median(slopes)
+    return [(mt - b * mp, b), (statistics.median(t - median_b * p for p, t in points), median_b)]
+
+
+def _efficient_on_line(a: float, b: float, candidates: list[int]) -> int:
+    """The smallest candidate whose rate on the line t = a + b p, p / (a + b p), is within
+    PREFILL_EFFICIENCY of the line's best, 1 / b: p >= E / (1 - E) * a / b (the largest candidate
+    when none reaches it or more tokens cost nothing more; the smallest when there is no fixed cost)."""
+    if b <= 0:
+        return candidates[-1]
+    threshold = PREFILL_EFFICIENCY / (1.0 - PREFILL_EFFICIENCY) * max(a, 0.0) / b
+    return min((c for c in candidates if c >= threshold), default=candidates[-1])
 
 
 def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float]:
     """The default chunk and ITL target in ms. The chunk: the smallest candidate prefill step whose
-    rate on the fitted line (_fitted_step_cost: c / (a + b c)) is at least PREFILL_EFFICIENCY of the
-    line's best, b's inverse: c >= E / (1 - E) * a / b (a table only within its measured range;
-    the largest candidate when none reaches it, the smallest when a step has no fixed cost). Where
-    no line fits, the candidates' own rates are compared. The target: the predicted time of that
-    step beside TYPICAL_DECODES decodes, rounded up to 0.1 ms so the step it was chosen for fits the
-    bound."""
+    rate on a fitted line (_fitted_step_costs, _efficient_on_line) is at least PREFILL_EFFICIENCY
+    of the line's best (a table only within its measured range), the smaller of the two lines'
+    choices. Where no line fits, the candidates' own rates are compared. The target: the predicted
+    time of that step beside TYPICAL_DECODES decodes, rounded up to 0.1 ms so the step it was
+    chosen for fits the bound."""
     top = max(cost.prefill_tokens) if isinstance(cost, TableCost) else MAX_DERIVED_BUDGET
     candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
-    fit = _fitted_step_cost(cost, candidates)
-    if fit is not None and fit[1] > 0:
-        threshold = PREFILL_EFFICIENCY / (1.0 - PREFILL_EFFICIENCY) * max(fit[0], 0.0) / fit[1]
-        chunk = min((c for c in candidates if c >= threshold), default=candidates[-1])
-    elif fit is not None:  # more tokens cost nothing more: the biggest step is the most efficient
-        chunk = candidates[-1]
+    fits = _fitted_step_costs(cost, candidates)
+    if fits:
+        # Where the two lines disagree, the smaller step: too big a chunk stalls every running
+        # stream for longer, too small a one gives up at most the efficiency margin's throughput.
+        chunk = min(_efficient_on_line(a, b, candidates) for a, b in fits)
     else:
         rate = {c: c / max(cost.seconds_for(0, c), 1e-9) for c in candidates}
         chunk = min(c for c in candidates if rate[c] >= PREFILL_EFFICIENCY * max(rate.values()))
