@@ -111,6 +111,7 @@ def test_int4q8_matmul_is_the_product_of_the_int8_rounded_activations(kernel, m,
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     if k > 32:
         x[0, :32] = 0  # an all-zero group: d = 0
+        x[-1, 32:64] = 1e-38 * torch.rand(32, generator=torch.Generator().manual_seed(k))  # d below FLT_MIN: zero
     got = kernel.int4q8_matmul(x, packed, scales, mins)
     w = dequantized_int4(codes, scales, mins).t()
     want = q8_rounded(x) @ w
@@ -121,7 +122,8 @@ def test_int4q8_matmul_is_the_product_of_the_int8_rounded_activations(kernel, m,
 
 def test_int4q8_carries_a_non_finite_activation_into_its_rows_outputs(kernel):
     """A NaN or an infinity in a row makes that row's outputs NaN, as the fp32 product's would be,
-    and leaves the other rows alone (it is not rounded into a finite integer)."""
+    and leaves the other rows alone (it is not rounded into a finite integer); a vanishing group
+    is zero."""
     codes, packed, scales, mins = int4_weights(24, 96, seed=1)
     x = torch.randn(3, 96)
     x[0, 40] = float("nan")
@@ -130,6 +132,10 @@ def test_int4q8_carries_a_non_finite_activation_into_its_rows_outputs(kernel):
     assert torch.isnan(got[0]).all() and torch.isnan(got[2]).all()
     assert torch.isfinite(got[1]).all()
     assert torch.equal(got[1], kernel.int4q8_matmul(x[1:2].contiguous(), packed, scales, mins)[0])
+    # A group so small that 1 / d would overflow (d < FLT_MIN) counts as zero, not as garbage.
+    tiny = torch.zeros(1, 96)
+    tiny[0, :32] = 1e-38
+    assert torch.equal(kernel.int4q8_matmul(tiny, packed, scales, mins), torch.zeros(1, 24))
 
 
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):

@@ -25,6 +25,7 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 #   w8a16: int8 weights, activations in the model's dtype (weight-only)
 #   w4a16: 4-bit weights in groups of 32 with scale + min (GGUF Q4_1's layout), int8 LM head;
 #          activations fp32 in Magnitude's kernels (runner/lowbit.py), bf16 in torch's fallback
+#   w4a8:  w4a16's weights, activations rounded to int8 per group of 32 (Magnitude's kernels only)
 #   int8:  the earlier name of w8a8, still accepted so existing specs keep loading
 QUANTIZATIONS = ("none", "w8a8", "w8a16", "w4a16", "w4a8", "int8")
 QUANTIZATION_ALIASES = {"int8": "w8a8"}

@@ -8,7 +8,8 @@ decode pays per context token beyond that length, a chunk deep in a long prompt 
 pair) and the swap rate. Its result is the simulator's `table` cost model document
 (sim/cost.py reads it; `GET /debug/cost-model` returns it). `calibrated_cost_model` is the engine's
 entry: the cached table for this model, weights and hardware, else a short measurement (the grid
-below and the attention figures: 32 s for SmolLM2 fp32 on two CPU cores, 45 s with w4a16), reported as progress and written to
+below and the attention figures: 32 s for SmolLM2 fp32 on two CPU cores, 30 s with w4a16: grid 21 s,
+its 256-token column 15 s of it, attention 8 s), reported as progress and written to
 `$MAGNITUDE_CACHE/cost-models/<key>.json` — unless the load average exceeded this process's CPUs
 while measuring: such a table is used, not kept.
 

@@ -95,9 +95,10 @@ class _RopeTable:
             return cos[0].contiguous(), sin[0].contiguous()
         need = int(position_ids.max()) + 1
         if need > self.cos.shape[0]:
-            # doubling, but not past the model's own context unless a position is there already
-            limit = getattr(self.rotary, "max_seq_len_cached", None) or need
-            n = max(need, min(max(2 * self.cos.shape[0], 1024), limit))
+            # doubling, capped at the model's own context until a position is past it
+            grown = max(2 * self.cos.shape[0], 1024)
+            limit = getattr(self.rotary, "max_seq_len_cached", None) or grown
+            n = max(need, grown if need > limit else min(grown, limit))
             cos, sin = self.rotary(h[:1], position_ids=torch.arange(n, device=h.device)[None])
             self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         index = position_ids[0]

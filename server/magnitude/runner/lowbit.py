@@ -98,12 +98,15 @@ class LowbitKernels:
 
 def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (q [M, K] int8 values as fp32, d [M, K/32]): the rounding the w4a8 products
-    apply to their input (lowbit_kernels.c `quantize_rows_q8`), figure for figure: per group of 32,
-    d = max|x| / 127 and q = round-half-even(x * (1 / d)), all in fp32. q * d is the activation the
-    product multiplies; tests compare the kernels with it."""
+    apply to their input (lowbit_kernels.c `quantize_group_q8`), figure for figure for finite x: per
+    group of 32, d = max|x| / 127 (0 below FLT_MIN, where 1 / d would overflow) and
+    q = round-half-even(x * (1 / d)), all in fp32. q * d is the activation the product multiplies;
+    tests compare the kernels with it. (A non-finite x: NaN here; the kernels make the group's
+    products NaN.)"""
     m, k = x.shape
     g = x.float().reshape(m, k // K_MULTIPLE, K_MULTIPLE)
     d = g.abs().amax(dim=-1) / 127.0
+    d = torch.where(d >= torch.finfo(torch.float32).tiny, d, torch.zeros_like(d))
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(g * inv[..., None])
     return q.reshape(m, k), d

@@ -10,7 +10,7 @@ for each family, windows included), without the per-call framework work around t
 (decorators, output capture, keyword plumbing, module calls for layers, attention, MLP and norms).
 At one decode per step that work was about a seventh of the step (`bench/step_profile.py
 --compare-decoders`). Two reorderings stay exact: RoPE's rotate-half is a roll times a sign-folded
-sine (negation is exact), and with fused w4a16 projections the queries and keys, adjacent in the
+sine (negation is exact), and with fused w4a16/w4a8 projections the queries and keys, adjacent in the
 q/k/v product, are rotated in one pass (the rotation is element-wise). Residual additions are done
 in place (the embedding lookup returns fresh rows).
 
@@ -68,7 +68,7 @@ FAMILIES = (
 
 def paged_decoder(inner: nn.Module) -> DecoderFn:
     """The forward for `inner` (a causal LM's `.model`): lean for a Llama-shaped family, its own
-    otherwise; a w4a16 model's decode steps (and short chunks) on Magnitude's kernels run fused
+    otherwise; a w4a16 or w4a8 model's decode steps (and short chunks) on Magnitude's kernels run fused
     (fused_decode.py)."""
     family = lean_family(inner)
     if family is None:
@@ -128,7 +128,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, half: 
 
 
 def _fused_group(*members: nn.Module) -> Int4Group | None:
-    """The w4a16 group whose product is exactly `members`, in this order (quantize.py fuses q/k/v
+    """The w4a16/w4a8 group whose product is exactly `members`, in this order (quantize.py fuses q/k/v
     and gate/up), or None: each member is then called as a module."""
     group = getattr(members[0], "fused_group", None)
     if group is None or len(group.sizes) != len(members):

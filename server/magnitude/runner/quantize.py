@@ -361,7 +361,7 @@ class Int4Group:
 
 
 class Int4FusedMember(nn.Module):
-    """A linear of a fused w4a16 group: its slice of the group's product. The fused weights are a
+    """A linear of a fused w4a16/w4a8 group: its slice of the group's product. The fused weights are a
     submodule of the first member only, so they are counted once."""
 
     def __init__(self, group: Int4Group, index: int, out_features: int) -> None:
@@ -377,7 +377,7 @@ class Int4FusedMember(nn.Module):
         return self.fused_group.output(x, self.index)
 
     def extra_repr(self) -> str:
-        return f"member {self.index} of a fused w4a16 product, out_features={self.out_features}"
+        return f"member {self.index} of a fused int4 product, out_features={self.out_features}"
 
 
 def _fuse_int4(parent: nn.Module, names: tuple[str, ...], members: list[nn.Linear], activations: str) -> None:

@@ -198,7 +198,7 @@ class ModelRunner:
             reference = quant_eval.measure(self)
             report("evaluating_quantization", 0.5)
         quantize_linears(self.model, self.quantization, self.device, self.tokenizer(CALIBRATION_TEXT)["input_ids"])
-        # Built again over the quantized modules: a w4a16 model's decode steps may now run fused.
+        # Built again over the quantized modules: a w4a16/w4a8 model's decode steps may now run fused.
         self._decoder = paged_decoder(self.model.model)
         if reference is not None:
             record = quant_eval.make_record(self, reference, quant_eval.measure(self), self.quantization, started)
