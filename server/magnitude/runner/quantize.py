@@ -380,7 +380,7 @@ class Int4FusedMember(nn.Module):
         return f"member {self.index} of a fused int4 product, out_features={self.out_features}"
 
 
-def _fuse_int4(parent: nn.Module, names: tuple[str, ...], members: list[nn.Linear], activations: str) -> None:
+def _fuse_int4(parent: nn.Module, names: tuple[str, ...], members: list[nn.Linear], activations: str = "fp32") -> None:
     """Replace `members` (same input features) by slices of one Int4WeightOnlyLinear over their
     stacked rows: per-group codes and scales are per output row, so stacking changes no code."""
     stacked = nn.Linear(members[0].in_features, sum(m.out_features for m in members),
