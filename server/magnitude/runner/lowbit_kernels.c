@@ -501,15 +501,16 @@ static void barrier_wait(spin_barrier *b, int *local_sense) {
 }
 
 /* y[r][n0..n1) = x[r] @ W^T (+ bias) (+= into y when accumulate: the residual stream). With q8,
-   x is first quantized into it (each thread quantizes every row itself: a few microseconds at the
-   rows a fused step has, against a barrier more per product to share the work). */
+   x is taken in int8 from it, quantized first unless `quantized` says this thread already holds x
+   there (gate and up share their input); each thread quantizes every row itself: a few
+   microseconds at the rows a fused step has, against a barrier more per product to share it. */
 static void int4_share(const float *x, int64_t m, int64_t k, const uint8_t *codes, const float *scales,
                        const float *mins, const float *bias, float *y, int64_t ldy, int64_t n0, int64_t n1,
-                       int accumulate, float *tmp, const q8_scratch *q8) {
+                       int accumulate, float *tmp, const q8_scratch *q8, int quantized) {
     if (n0 >= n1) return;
     float *out = accumulate ? tmp : y;
     if (q8) {
-        quantize_rows_q8(x, m, k, k, q8->q, q8->d, q8->s);
+        if (!quantized) quantize_rows_q8(x, m, k, k, q8->q, q8->d, q8->s);
         int4q8_rows(q8->q, q8->d, q8->s, (int)m, k, codes, scales, mins, out, ldy, n0, n1);
     } else {
         int4_rows(x, (int)m, k, codes, scales, mins, out, ldy, n0, n1);
@@ -858,7 +859,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 rms_norm_rows(h, L->in_norm, xn, m, H, d->eps, t, nt);
                 barrier_wait(&bar, &sense);
                 share(nqkv, t, nt, &a, &b);
-                int4_share(xn, m, H, L->qkv_codes, L->qkv_scales, L->qkv_mins, L->qkv_bias, qkv, nqkv, a, b, 0, 0, q8);
+                int4_share(xn, m, H, L->qkv_codes, L->qkv_scales, L->qkv_mins, L->qkv_bias, qkv, nqkv, a, b, 0, 0, q8, 0);
                 barrier_wait(&bar, &sense);
                 for (int64_t item = t; item < m * d->kv_heads; item += nt) {
                     int64_t r = item / d->kv_heads;
@@ -873,14 +874,14 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 }
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
-                int4_share(attn, m, nattn, L->o_codes, L->o_scales, L->o_mins, L->o_bias, h, H, a, b, 1, tmp, q8);
+                int4_share(attn, m, nattn, L->o_codes, L->o_scales, L->o_mins, L->o_bias, h, H, a, b, 1, tmp, q8, 0);
                 barrier_wait(&bar, &sense);
                 rms_norm_rows(h, L->post_norm, xn, m, H, d->eps, t, nt);
                 barrier_wait(&bar, &sense);
                 /* Gate channel j and up channel j in the same thread, so the activation needs no barrier. */
                 share(I, t, nt, &a, &b);
-                int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, a, b, 0, 0, q8);
-                int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0, q8);
+                int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, a, b, 0, 0, q8, 0);
+                int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0, q8, a < b);
                 for (int64_t r = 0; r < m; r++)
                     for (int64_t j = a; j < b; j++) {
                         float g = gu[r * 2 * I + j];
@@ -888,7 +889,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                     }
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
-                int4_share(act, m, I, L->down_codes, L->down_scales, L->down_mins, L->down_bias, h, H, a, b, 1, tmp, q8);
+                int4_share(act, m, I, L->down_codes, L->down_scales, L->down_mins, L->down_bias, h, H, a, b, 1, tmp, q8, 0);
                 barrier_wait(&bar, &sense);
             }
             /* in place: a row's sum of squares is taken before any of it is written */

@@ -264,6 +264,12 @@ def int4_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, 
     return codes.reshape(n, k), scale, lo
 
 
+def _w4a8_unavailable() -> QuantizationError:
+    """w4a8 has no torch fallback: the refusal where Magnitude's kernels are not in use, and why."""
+    return QuantizationError(f"w4a8 runs on Magnitude's low-bit kernels only, and they are not in use here "
+                             f"({lowbit.describe()}); use w4a16")
+
+
 class Int4WeightOnlyLinear(nn.Module):
     """y = x W^T (+ b) with W in 4-bit groups of 32 input channels (a scale and a minimum each); the
     result is returned in x's dtype.
@@ -296,8 +302,7 @@ class Int4WeightOnlyLinear(nn.Module):
         self.grid_error = float((err / scale.clamp(min=1e-30)).where(scale > 0, torch.zeros_like(err)).max())
         self.kernel = lowbit.kernels() if group == lowbit.K_MULTIPLE else None
         if activations == "int8" and self.kernel is None:
-            raise QuantizationError(f"w4a8 runs on Magnitude's low-bit kernels only, and they are not in use here "
-                                    f"({lowbit.describe()}); use w4a16")
+            raise _w4a8_unavailable()
         self.activations = activations
         if self.kernel is not None:
             # Two codes a byte, a group's first 16 inputs in the low nibbles (Q4_1's order).
@@ -468,8 +473,7 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
         if bad:  # before replacing any: a half-quantized model would be neither method
             raise QuantizationError(f"{method} needs input features divisible by {INT4_GROUP}: {', '.join(bad)}")
         if method == "w4a8" and lowbit.kernels() is None:  # also before replacing any
-            raise QuantizationError(f"w4a8 runs on Magnitude's low-bit kernels only, and they are not in use here "
-                                    f"({lowbit.describe()}); use w4a16")
+            raise _w4a8_unavailable()
         fused: set[int] = set()
         for parent in {id(p): p for p, _, _ in targets}.values():
             for names in FUSED_INPUT_SIBLINGS:

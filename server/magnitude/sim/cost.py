@@ -22,9 +22,9 @@ bound calls `seconds_for` with the step's `AttentionLoad` as it builds the step.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import statistics
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
