@@ -203,7 +203,9 @@ def test_one_stuck_service_never_delays_another(apiserver: ApiServer, monkeypatc
 
     async def go() -> None:
         pod_b = await Pod("good").start(ip_b, port)
-        pod_a = await Pod("trickle", trickle_while=lambda: pod_b.requests < 3).start(ip_a, port)
+        # A trickles until its open exchanges are counted below: flooding as soon as B's third
+        # request came in let the byte cap end A's scrape before the count (seen: 0 open, 2 runs of 3)
+        pod_a = await Pod("trickle", trickle_while=lambda: not scraped_a_while_open).start(ip_a, port)
         stop = asyncio.Event()
         task = asyncio.create_task(loop.run(a_env.kube, registry, stop))
         try:
