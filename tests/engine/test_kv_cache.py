@@ -89,3 +89,26 @@ def test_swap_is_bounded_by_host_blocks() -> None:
     assert back is not None and [h for _, h in back] == [h for _, h in pairs]
     assert kv.usage().swap_used_blocks == 0
     kv.check_invariants()
+
+
+def test_free_list_reuses_the_lowest_ids_so_touched_memory_follows_peak_use() -> None:
+    """On the CPU a block's memory is resident from its first write: the ids handed out must stay
+    below the most blocks ever in use at once, not cycle through the whole pool (a FIFO reached
+    id 63 here after a few rounds of two small requests)."""
+    import random
+
+    rng = random.Random(7)
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    live: list = []
+    highest = peak = 0
+    for i in range(400):
+        if live and (len(live) > 3 or rng.random() < 0.5):
+            kv.free(live.pop(rng.randrange(len(live))))
+        else:
+            r = make_request(f"r{i}", rng.randint(1, 12), 1)
+            assert kv.allocate(r, r.num_prompt_tokens)
+            live.append(r)
+            highest = max(highest, *r.block_ids)
+        peak = max(peak, kv.usage().used_blocks)
+        kv.check_invariants()
+    assert highest < peak <= 12, (highest, peak)

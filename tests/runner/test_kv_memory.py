@@ -1,16 +1,19 @@
 """`kvCache.memoryFraction` sizes the KV pool on the CPU too (host memory within the container's
 cgroup limit), a fraction that leaves no room is refused by name, and the CPU pool is zeroed
-without writing every page at start."""
+without writing every page at start, costs memory only for the blocks written (in small pages,
+not 2 MiB huge pages per layer), and gives its pages back after the start-up measurements."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from magnitude.runner.kv_pool import KVShape, _zeros, default_num_blocks, host_available_bytes  # noqa: E402
+from magnitude.runner.kv_pool import KVShape, PagedKVPool, _zeros, default_num_blocks, host_available_bytes  # noqa: E402,E501
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)  # 8 KiB a block
 GIB = 1 << 30
@@ -62,7 +65,7 @@ def _rss_bytes() -> int:
 def test_cpu_pool_is_zero_and_not_written_at_start(dtype):
     dims = (4, 2, 2048, 16, 8, 64)  # 512 MiB in fp32
     before = _rss_bytes()
-    pool = _zeros(dims, dtype, torch.device("cpu"), pin=False)
+    pool, _ = _zeros(dims, dtype, torch.device("cpu"), pin=False)
     grown = _rss_bytes() - before
     nbytes = pool.numel() * pool.element_size()
     assert pool.shape == dims and pool.dtype == dtype and pool.is_contiguous()
@@ -72,6 +75,64 @@ def test_cpu_pool_is_zero_and_not_written_at_start(dtype):
         assert not pool[idx].any()
     pool[1, 1, 7].fill_(1.0)
     assert pool[1, 1, 7].all() and not pool[1, 1, 8].any()
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s pages in memory (mincore), this tensor's alone: the process's RSS moves with
+    everything else the test process does."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    length = -(-(t.data_ptr() + t.numel() * t.element_size() - start) // page) * page
+    vec = (ctypes.c_ubyte * (length // page))()
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * page
+
+
+def test_a_block_costs_its_own_bytes_not_a_huge_page_per_layer():
+    """One block written in every layer's K and V of a 720 MiB pool (SmolLM2's shape, 1,024 blocks):
+    with the allocator's transparent huge pages that made 60 x 2 MiB resident; in small pages it is
+    the block's 720 KiB (and the pages around its edges)."""
+    shape = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    pool = PagedKVPool(shape, 1024, 0, torch.device("cpu"))
+    assert resident_bytes(pool.device_cache) == 0
+    for layer in range(30):
+        pool.k_layers[layer][5 * 16:6 * 16].fill_(1.0)
+        pool.v_layers[layer][5 * 16:6 * 16].fill_(1.0)
+    assert shape.bytes_per_block <= resident_bytes(pool.device_cache) <= 2 * shape.bytes_per_block
+
+
+def test_release_pages_gives_the_pool_back_as_zeros():
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    pool = PagedKVPool(shape, 512, 8, torch.device("cpu"))
+    pool.device_cache.fill_(3.0)
+    pool.host_cache.fill_(2.0)
+    assert resident_bytes(pool.device_cache) == pool.device_cache.numel() * 4
+    pool.release_pages()
+    assert resident_bytes(pool.device_cache) == 0 and resident_bytes(pool.host_cache) == 0
+    assert not pool.device_cache.any() and not pool.host_cache.any()
+    pool.k_layers[1][17].fill_(1.0)  # still the same memory behind the layer views
+    assert pool.device_cache[1, 0, 1, 1].all() and pool.device_cache.count_nonzero() == 2 * 16
+
+
+@pytest.mark.model
+def test_runner_starts_with_its_pool_given_back(tmp_path):
+    """The warm-up wrote block 0; the runner hands the engine an untouched pool, and a request's
+    blocks then cost memory as it writes them."""
+    from magnitude.engine.output import ScheduledSeq, StepPlan
+    from magnitude.engine.sampling import SamplingParams
+    from magnitude.runner import ModelRunner
+
+    from .tiny_models import build_tiny_model
+
+    runner = ModelRunner(str(build_tiny_model("llama", tmp_path / "m")), device="cpu", dtype="float32",
+                         num_blocks=256, num_threads=1)
+    assert resident_bytes(runner.kv.device_cache) == 0
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    out = runner.execute(StepPlan(0, [ScheduledSeq("r", list(range(1, 21)), 0, [7, 9], True, greedy)]))
+    assert not out.failed
+    assert 0 < resident_bytes(runner.kv.device_cache) <= 2 * 2 * runner.kv.shape.bytes_per_block
 
 
 @pytest.mark.model

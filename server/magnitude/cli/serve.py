@@ -314,6 +314,7 @@ def calibrate(runner: Any, progress: Any) -> None:
     progress("calibrating", 0.0)
     runner.cost_model_document = calibrated_cost_model(
         runner, cache_root() / "cost-models", lambda fraction: progress("calibrating", fraction))
+    runner.release_kv_pages()  # the grid's K/V: the engine starts with an empty pool
 
 
 def _model_source(args: argparse.Namespace) -> str:

@@ -7,13 +7,17 @@ revision, adapter, tokenizer, chat template, tenant: the request's `cache_key`) 
 exactly, so a cache hit can never cross a tenant or a revision.
 
 Freed blocks that hold a cached prefix stay findable until they are reused: they wait in an
-LRU of evictable blocks and are only evicted when the plain free list is empty.
+LRU of evictable blocks and are only evicted when the plain free list is empty. The plain free
+list hands out the lowest free id: on the CPU a block's memory is resident from its first write
+(runner/kv_pool.py), so the pool's resident part follows the most blocks ever in use (and
+cached) instead of creeping over every id as a FIFO would cycle through them.
 Pure: no torch, no I/O. The runner owns the memory these ids point at.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from magnitude.engine.request import Request
@@ -45,7 +49,7 @@ class KVCacheManager:
         self.num_swap_blocks = num_swap_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))  # never cached (or evicted): handed out first
+        self._free: list[int] = list(range(num_blocks))  # heap; never cached (or evicted): handed out first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, LRU first
         self._block_key: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
@@ -138,7 +142,7 @@ class KVCacheManager:
     # ---- allocation ----
     def _take(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         else:
             block, _ = self._evictable.popitem(last=False)
             key = self._block_key[block]
@@ -215,7 +219,7 @@ class KVCacheManager:
                     if self._block_key[block] is not None:
                         self._evictable[block] = None
                     else:
-                        self._free.append(block)
+                        heapq.heappush(self._free, block)
         self._num_hashed.pop(rid, None)
         self._last_hash.pop(rid, None)
         host = self.host_tables.pop(rid, None)

@@ -187,6 +187,12 @@ class DraftModelProposer:
     def bytes_per_block(self) -> int:
         return self.pool.shape.bytes_per_block
 
+    def release_pages(self) -> None:
+        """Empty the draft's pool (ModelRunner.release_kv_pages): no request's draft K/V is valid after."""
+        self._fed.clear()
+        self._last_fed.clear()
+        self.pool.release_pages()
+
     # -- the runner's hooks ------------------------------------------------------------------------
 
     def begin_step(self, plan: StepPlan) -> None:

@@ -1,4 +1,5 @@
-"""Give back the resident pages of the checkpoint that quantized weights no longer read (Linux).
+"""Give back the resident pages of the checkpoint that quantized weights no longer read (Linux),
+and the heap's free pages once loading is over (glibc).
 
 Loading maps the safetensors file privately and every parameter is a view of that mapping, so a
 page stays resident from its first read until the whole mapping goes. Quantizing reads each
@@ -14,6 +15,10 @@ read (a page shared with a weight still in use, such as tied embeddings, costs a
 written since it was mapped is private memory and, with no swap, stays. What it lowers is the
 process's resident set; the file's pages may stay in the page cache, which the kernel reclaims
 under pressure. Elsewhere than Linux, or on an older kernel, it does nothing.
+
+`trim_heap()`: loading and converting free hundreds of MiB in allocations glibc keeps in its
+arenas (SmolLM2 w4a16: 92 MiB of the resident set); `malloc_trim(0)` returns their free pages to
+the kernel. Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations
@@ -46,14 +51,29 @@ def file_backed_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
-@functools.cache  # find_library runs ldconfig: once per process, not once per weight
-def _madvise() -> ctypes._CFuncPtr | None:
+@functools.cache  # find_library runs ldconfig: once per process
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
-    if name is None:
+    return None if name is None else ctypes.CDLL(name, use_errno=True)
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:
+    libc = _libc()
+    if libc is None:
         return None
-    fn = ctypes.CDLL(name, use_errno=True).madvise
+    fn = libc.madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return fn
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free pages to the kernel (glibc `malloc_trim`); whether it could ask."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(ctypes.c_size_t(0))
+    return True
 
 
 def in_ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:

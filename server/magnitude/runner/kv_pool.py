@@ -9,10 +9,11 @@ only owns the memory and the swap copies.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 log = logging.getLogger("magnitude.runner.kv")
@@ -87,17 +88,33 @@ def default_num_blocks(shape: KVShape, device: torch.device, weight_bytes: int, 
     return blocks
 
 
-def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
-    """A zeroed pool. On the CPU through calloc (numpy): a large block comes from fresh pages the
-    kernel zeroes on first touch, so an idle pool costs address space, not memory, where
+def _anonymous_pages(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of `nbytes`, zero until written, in 4 KiB pages.
+
+    Not from the allocator: numpy's calloc (or torch's allocator) asks for transparent huge pages on
+    a large block (`MADV_HUGEPAGE`), and with the K/V of one block spread over every layer's slice
+    of the pool, one short sequence then made 2 MiB resident per layer and K/V (SmolLM2: 238 MiB
+    after the start-up warm-up's single block) and any few dozen blocks the whole pool. In small
+    pages a block costs its own bytes when first written, and `release_pages` can give them back."""
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; THP may be set to `always`
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return pages
+
+
+def _zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           pin: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A zeroed pool, and on the CPU the mapping behind it. On the CPU the pages come from the
+    kernel zeroed on first touch, so an idle pool costs address space, not memory, where
     `torch.zeros` writes every page at start. Zeros, not `torch.empty`: the attention gathers
     whole blocks and masks positions a sequence has not written, and uninitialised memory there
     could hold NaN, which a mask does not remove (NaN * 0 is NaN)."""
     if device.type != "cpu" or pin or 0 in dims:
-        return torch.zeros(dims, dtype=dtype, device=device, pin_memory=pin)
+        return torch.zeros(dims, dtype=dtype, device=device, pin_memory=pin), None
     elem = torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(int(np.prod(dims, dtype=np.int64)) * elem, dtype=np.uint8))
-    return raw.view(dtype).view(dims)
+    pages = _anonymous_pages(math.prod(dims) * elem)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(dims), pages
 
 
 class PagedKVPool:
@@ -113,15 +130,25 @@ class PagedKVPool:
         self.num_swap_blocks = num_swap_blocks
         self.device = device
         dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-        self.device_cache = _zeros(dims, shape.dtype, device, pin=False)
+        self.device_cache, self._device_pages = _zeros(dims, shape.dtype, device, pin=False)
         host_dims = (shape.num_layers, 2, num_swap_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
         pin = device.type == "cuda"
-        self.host_cache = _zeros(host_dims, shape.dtype, torch.device("cpu"), pin=pin)
+        self.host_cache, self._host_pages = _zeros(host_dims, shape.dtype, torch.device("cpu"), pin=pin)
         slots = num_blocks * shape.block_size
         self.k_layers = [self.device_cache[i, 0].view(slots, shape.num_kv_heads, shape.head_dim)
                          for i in range(shape.num_layers)]
         self.v_layers = [self.device_cache[i, 1].view(slots, shape.num_kv_heads, shape.head_dim)
                          for i in range(shape.num_layers)]
+
+    def release_pages(self) -> None:
+        """Back to an all-zero pool, for when no sequence's K/V is in it (after the start-up
+        measurements): on the CPU its pages go back to the kernel (`MADV_DONTNEED` on the private
+        mapping reads as zeros again), elsewhere it is zeroed in place."""
+        for cache, pages in ((self.device_cache, self._device_pages), (self.host_cache, self._host_pages)):
+            if pages is not None:
+                pages.madvise(mmap.MADV_DONTNEED)
+            else:
+                cache.zero_()
 
     def _check(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         dev = [d for d, _ in pairs]

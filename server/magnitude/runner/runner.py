@@ -34,6 +34,7 @@ from magnitude.runner import quant_eval
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
 from magnitude.runner.constraints import advance_constraint, advance_through_drafts, can_draft, settle_drafts
 from magnitude.runner.draft_model import DraftModelProposer, kv_shape, load_draft
+from magnitude.runner.file_pages import trim_heap
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.paged_decoder import paged_decoder
@@ -173,6 +174,8 @@ class ModelRunner:
                                                   report, evaluate_quantization)
         if warmup:
             self._warmup(report)
+        self.release_kv_pages()
+        trim_heap()  # what loading and converting the weights freed
 
     def _eos_ids(self) -> list[int]:
         ids: list[int] = []
@@ -445,6 +448,16 @@ class ModelRunner:
         """The draft model's q rows for a sampling request's drafts (None: point-mass drafts)."""
         drafter = self._draft_model()
         return None if drafter is None else drafter.draft_probs(w.seq.request_id, len(w.drafts))
+
+    def release_kv_pages(self) -> None:
+        """Give back the KV pool's pages once the start-up measurements (warm-up, the quantization
+        evaluation, calibration) are done with it: only while no request is in flight, as the
+        engine has not started yet. On the CPU the pool then costs memory again only for blocks
+        requests write, instead of every block a measurement touched."""
+        self.kv.release_pages()
+        drafter = self._draft_model()
+        if drafter is not None:
+            drafter.release_pages()
 
     def kv_bytes_per_block(self) -> int:
         """What one block id costs: the target's K/V plus, with a draft model, the draft's."""
