@@ -193,7 +193,7 @@ def engine() -> Iterator[RunningServer]:
         yield s
 
 
-def run_trace(s: RunningServer) -> dict[str, Any]:
+def run_trace(s: RunningServer, prom_urls: list[str]) -> dict[str, Any]:
     """The mixed trace; returns what the assertions need."""
     v1 = s.v1 + "/chat/completions"
     MODEL[:] = [s.engine.model_name]
@@ -245,9 +245,16 @@ def run_trace(s: RunningServer) -> dict[str, Any]:
             assert client.post(v1, json=chat(words(60), "standard", 2)).status_code == 200
         for cls in ("standard", "interactive", "batch"):
             assert client.post(v1, json=chat(words(14), cls, 3)).status_code == 200
-        # 5. a copy-heavy answer: prompt lookup's drafts are mostly accepted
+        # 5. a copy-heavy answer: prompt lookup's drafts are mostly accepted. Twice, with a scrape
+        #    between: the draft counters must grow between two samples, or the acceptance panel is
+        #    0/0: a series whose every increment came before its first scrape has no rate, and the
+        #    earlier requests may draft nothing (prompt lookup needs the answer to repeat the prompt),
+        #    while one copy request can start and finish between two scrapes
         passage = "the keeper lit the lamp at dusk and wrote the weather in his log"
         copy = chat(f"Repeat exactly: {passage}. {passage}. {passage}.", "standard", 24)
+        assert client.post(v1, json=copy).status_code == 200
+        for url in prom_urls:
+            wait_scraped(url, 1)
         assert client.post(v1, json=copy).status_code == 200
     return out
 
@@ -260,7 +267,7 @@ def test_timelines_metrics_and_every_dashboard_query_on_the_real_model(engine: R
                  for mode, labels in MODES.items()}
         for url in proms.values():
             wait_scraped(url, 2)
-        out = run_trace(engine)
+        out = run_trace(engine, list(proms.values()))
         for url in proms.values():
             wait_scraped(url, 3)  # counters touched last need two samples in the window
 
