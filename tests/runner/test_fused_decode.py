@@ -393,3 +393,31 @@ def runner_w4a16():
 
     return ModelRunner(MODEL, device="cpu", dtype="float32", block_size=BLOCK, num_blocks=128, seed=0,
                        quantization="w4a16", evaluate_quantization=False, warmup=False)
+
+
+def test_tied_embeddings_are_read_from_the_int8_heads_codes(tmp_path):
+    """w4a16 on a model whose token embeddings are its LM head's weight: the head is int8 in groups
+    of 32 and the embeddings are read from its codes (no fp32 [vocab, hidden] matrix left in the
+    model), the fused step still runs, and transformers' own `generate` over the same modules
+    gives the runner's greedy tokens."""
+    _native_or_skip()
+    from magnitude.runner.quantize import Int8GroupEmbedding, Int8GroupLinear
+
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
+    runner = _runner(build_tiny_model("llama", tmp_path / "tied", config=config), quantization="w4a16")
+    model = runner.model
+    assert type(model.lm_head) is Int8GroupLinear and type(model.model.embed_tokens) is Int8GroupEmbedding
+    assert model.model.embed_tokens.codes.data_ptr() == model.lm_head.qweight.data_ptr()
+    vocab, hidden = config.vocab_size, config.hidden_size
+    assert not [n for n, t in (*model.named_parameters(), *model.named_buffers())
+                if t.dtype == torch.float32 and tuple(t.shape) == (vocab, hidden)]
+    assert lean_family(model.model) is not None
+    got, want, _f, _l = _both(runner, DECODES)
+    assert 0 < _rel(got, want) < TINY_TOLERANCE  # the fused step ran, on the same embeddings
+    prompts = [[5, 9, 44, 100, 7], [3, 3, 8]]
+    ours = runner.greedy_tokens(prompts, 6)
+    with torch.inference_mode():
+        theirs = [model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=2,
+                                 pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
+    assert ours == [t[: t.index(2) + 1] if 2 in t else t for t in theirs]

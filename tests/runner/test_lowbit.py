@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 
 from magnitude.runner import lowbit  # noqa: E402
 from magnitude.runner.quant_eval import isa_description  # noqa: E402
-from magnitude.runner.quantize import Int4WeightOnlyLinear, QuantizationError, WeightOnlyInt8Linear  # noqa: E402
+from magnitude.runner.quantize import (  # noqa: E402
+    Int4WeightOnlyLinear, Int8GroupEmbedding, Int8GroupLinear, QuantizationError, WeightOnlyInt8Linear)
 
 # No -march: on x86-64 the build takes the portable C path, the one a CPU without AVX2 runs.
 PORTABLE_FLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC")
@@ -93,6 +94,58 @@ def test_int8_matmul_is_the_dequantized_product(kernel, m, k, n):
     assert rel(got, exact) < 2e-6, rel(got, exact)
 
 
+def q8_0_weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [N, K] int8, scales [N, K/32] fp32) as GGUF's Q8_0 stores them: a half-precision scale
+    and in every group a code of magnitude 127."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k // 32, 32), generator=g, dtype=torch.int8)
+    codes[:, :, 0] = torch.where(torch.rand(n, k // 32, generator=g) < 0.5, 127, -127).to(torch.int8)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4).half().float()
+    return codes.reshape(n, k), scales
+
+
+def dequantized_int8g(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    return (codes.reshape(n, k // 32, 32).float() * scales[..., None]).reshape(n, k)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("k,n", [(32, 7), (96, 37), (576, 101)])
+def test_int8g_matmul_is_the_dequantized_product(kernel, m, k, n):
+    codes, scales = q8_0_weights(n, k, seed=m + k + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    got = kernel.int8g_matmul(x, codes, scales)
+    exact = x.double() @ dequantized_int8g(codes, scales).double().t()
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert rel(got, exact) < 2e-6, rel(got, exact)
+    if k > 32:  # a kernel that applied one scale per row (the int8 layout's) would be far off
+        assert rel(kernel.int8_matmul(x, codes, scales[:, 0].contiguous()), exact) > 1e-2
+
+
+def test_q8_0_blocks_come_back_exactly_as_head_and_embedding(native):
+    """The de-quantization of Q8_0 blocks (the bundled GGUF's tied embeddings and LM head) maps back
+    onto the same codes and scales: the head multiplies exactly those weights, and the embedding
+    module built on the head's codes returns the fp32 rows bit for bit, with no fp32 matrix kept."""
+    codes, scales = q8_0_weights(300, 576, seed=5)
+    w = dequantized_int8g(codes, scales)
+    lin = torch.nn.Linear(576, 300, bias=False)
+    lin.weight.data.copy_(w)
+    head = Int8GroupLinear(lin, native)
+    assert head.grid_error == 0.0 and torch.equal(head.qweight, codes) and torch.equal(head.scales, scales)
+    x = torch.randn(4, 576)
+    assert rel(head(x), x.double() @ w.double().t()) < 2e-6
+    embed = Int8GroupEmbedding(head)
+    ids = torch.tensor([[0, 299, 17, 17, 5]])
+    rows = embed(ids)
+    assert rows.dtype == torch.float32 and rows.shape == (1, 5, 576) and torch.equal(rows, w[ids])
+    assert embed.codes.data_ptr() == head.qweight.data_ptr() and embed.scales.data_ptr() == head.scales.data_ptr()
+    # Off the grid the codes are Q8_0's quantizer's: within half a step of every weight.
+    lin.weight.data.normal_()
+    rough = Int8GroupLinear(lin, native)
+    assert 0.3 < rough.grid_error <= 0.5 + 1e-5
+    assert (dequantized_int8g(rough.qweight, rough.scales) - lin.weight).abs().max() <= rough.scales.max() * 0.5001
+
+
 def q8_rounded(x: torch.Tensor) -> torch.Tensor:
     """The activations a w4a8 product multiplies: x rounded per group of 32 (lowbit.q8_activations)."""
     q, d = lowbit.q8_activations(x)
@@ -149,17 +202,21 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
     batched4 = kernel.int4_matmul(x, packed, scales, mins)
     batched4q8 = kernel.int4q8_matmul(x, packed, scales, mins)
     batched8 = kernel.int8_matmul(x, q8, s8)
+    g8, gs = q8_0_weights(200, 576, seed=4)
+    batched8g = kernel.int8g_matmul(x, g8, gs)
     for r in range(x.shape[0]):
         row = x[r : r + 1].contiguous()
         assert torch.equal(kernel.int4_matmul(row, packed, scales, mins)[0], batched4[r])
         assert torch.equal(kernel.int4q8_matmul(row, packed, scales, mins)[0], batched4q8[r])
         assert torch.equal(kernel.int8_matmul(row, q8, s8)[0], batched8[r])
+        assert torch.equal(kernel.int8g_matmul(row, g8, gs)[0], batched8g[r])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         assert torch.equal(kernel.int4_matmul(x, packed, scales, mins), batched4)
         assert torch.equal(kernel.int4q8_matmul(x, packed, scales, mins), batched4q8)
         assert torch.equal(kernel.int8_matmul(x, q8, s8), batched8)
+        assert torch.equal(kernel.int8g_matmul(x, g8, gs), batched8g)
     finally:
         torch.set_num_threads(threads)
 

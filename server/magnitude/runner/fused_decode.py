@@ -29,7 +29,7 @@ from torch import nn
 
 from magnitude.runner import lowbit
 from magnitude.runner.attention import PagedBatch
-from magnitude.runner.quantize import Int4Group, Int4WeightOnlyLinear
+from magnitude.runner.quantize import Int4Group, Int4WeightOnlyLinear, Int8GroupEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +152,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     # The kernels the model's projections were built on (none for an unquantized model, which
     # therefore never builds them); every projection is checked against it below.
     kernel = getattr(layers[0].self_attn.o_proj, "kernel", None)
-    if not isinstance(kernel, lowbit.LowbitKernels) or getattr(config, "hidden_act", None) != "silu" \
-            or inner.embed_tokens.weight.dtype != torch.float32:
+    fp32_rows = isinstance(inner.embed_tokens, Int8GroupEmbedding) or inner.embed_tokens.weight.dtype == torch.float32
+    if not isinstance(kernel, lowbit.LowbitKernels) or getattr(config, "hidden_act", None) != "silu" or not fp32_rows:
         return None
     attn0 = layers[0].self_attn
     heads, head_dim = config.num_attention_heads, attn0.head_dim

@@ -40,7 +40,7 @@ KERNEL_ENV = "MAGNITUDE_LOWBIT_KERNEL"
 SOURCE = Path(__file__).with_name("lowbit_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
-# Both layouts work on groups of 32 input channels (int4's quantization groups; int8's vector width).
+# Every layout works on groups of 32 input channels (int4's and int8g's quantization groups; int8's vector width).
 K_MULTIPLE = 32
 
 
@@ -95,6 +95,18 @@ class LowbitKernels:
                                        y.data_ptr(), torch.get_num_threads())
         return y
 
+    def int8g_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 @ W^T -> [M, N] fp32; W as codes [N, K] int8 times scales [N, K/32] fp32,
+        one per group of 32 inputs (GGUF Q8_0's blocks)."""
+        m, k = x.shape
+        if k % K_MULTIPLE or codes.shape[1] != k or scales.shape[-1] * K_MULTIPLE != k:
+            raise ValueError(f"int8g product: x has {k} columns, the weights {codes.shape[1]} and "
+                             f"{scales.shape[-1]} scales a row (a multiple of 32, one scale per 32)")
+        y = torch.empty(m, codes.shape[0], dtype=torch.float32)
+        self.lib.magnitude_int8g_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
+                                        y.data_ptr(), torch.get_num_threads())
+        return y
+
 
 def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (q [M, K] int8 values as fp32, d [M, K/32]): the rounding the w4a8 products
@@ -122,6 +134,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.magnitude_int4q8_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, i32]
     lib.magnitude_int4q8_matmul.restype = ctypes.c_int
     lib.magnitude_int8_matmul.restype = None
+    lib.magnitude_int8g_matmul.argtypes = [p, i64, i64, i64, p, p, p, i32]
+    lib.magnitude_int8g_matmul.restype = None
     # (dims, layers, n_layers, h, m, positions, tables, cos, sin, final_norm, final_eps, threads):
     # runner/fused_decode.py
     lib.magnitude_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, ctypes.c_float, i32]

@@ -9,7 +9,9 @@
    - int4: codes [n][k/2] bytes; per group of 32 inputs 16 bytes, low nibbles are inputs 0..15 and
      high nibbles 16..31 (GGUF Q4_1's order); w = code * scale[n][k/32] + min[n][k/32].
    - int8: codes [n][k] signed bytes; w = code * scale[n].
-   k is a multiple of 32 for both (lowbit.py's wrappers and fused_decode.py check).
+   - int8g: codes [n][k] signed bytes; w = code * scale[n][k/32] (GGUF Q8_0's blocks: a token
+     embedding stored as Q8_0 and tied to the LM head is multiplied exactly as stored).
+   k is a multiple of 32 for all (lowbit.py's wrappers and fused_decode.py check).
 
    int4 weights also multiply int8 activations (w4a8, GGUF's Q4_1 x Q8_1 dot product): each row is
    quantized per group of 32 inputs, q = round(x * (1 / d)) with d = max|x| / 127, and a group's product is
@@ -248,6 +250,14 @@ static void NAME##_##M##_##NB(const float *x, int64_t k, const void *codes_, con
     for (int j = 0; j < 4; j++)                                                                    \
         w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * j))));
 
+/* 32 signed bytes -> 32 weights times their group's scale (each product exact in fp32). */
+#define DECODE_INT8G                                                                               \
+    const int8_t *c = (const int8_t *)codes_ + ch * k + g * 32;                                     \
+    if (PASS_ROWS <= 2 && ch + PREFETCH_CHANNELS < n1) _mm_prefetch((const char *)(c + PREFETCH_CHANNELS * k), _MM_HINT_T0); \
+    const __m256 sc = _mm256_set1_ps(scales[ch * (k / 32) + g]);                                    \
+    for (int j = 0; j < 4; j++)                                                                    \
+        w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * j)))), sc);
+
 DEFINE_PASS(int4_pass, 1, 1, DECODE_INT4, )
 DEFINE_PASS(int4_pass, 1, 4, DECODE_INT4, )
 DEFINE_PASS(int4_pass, 2, 1, DECODE_INT4, )
@@ -258,6 +268,10 @@ DEFINE_PASS(int8_pass, 1, 1, DECODE_INT8, * scales[ch])
 DEFINE_PASS(int8_pass, 2, 1, DECODE_INT8, * scales[ch])
 DEFINE_PASS(int8_pass, 4, 1, DECODE_INT8, * scales[ch])
 DEFINE_PASS(int8_pass, 8, 1, DECODE_INT8, * scales[ch])
+DEFINE_PASS(int8g_pass, 1, 1, DECODE_INT8G, )
+DEFINE_PASS(int8g_pass, 2, 1, DECODE_INT8G, )
+DEFINE_PASS(int8g_pass, 4, 1, DECODE_INT8G, )
+DEFINE_PASS(int8g_pass, 8, 1, DECODE_INT8G, )
 
 /* Up to 8 rows as passes of 8, 4, 2 and 1 (each pass re-reads the weights, from cache). NB1 and
    NB2: channels at a time for one and two rows, measured per layout (bench/lowbit_bench.py): int4
@@ -278,6 +292,7 @@ static void NAME##_rows(const float *x, int m, int64_t k, const void *codes, con
 }
 DEFINE_ROWS(int4, 4, 2)
 DEFINE_ROWS(int8, 1, 1)
+DEFINE_ROWS(int8g, 1, 1)
 
 /* Channels [n0, n1) for exactly M rows of int8 activations (quantize_rows_q8), NB channels at a
    time. As in DEFINE_PASS, a row's sums run in the same order whatever M and NB are. */
@@ -374,17 +389,33 @@ static void int4_rows(const float *x, int m, int64_t k, const void *codes, const
     }
 }
 
-static void int8_rows(const float *x, int m, int64_t k, const void *codes_, const float *scales,
-                      const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    (void)mins;
+/* int8 codes with one scale per `group` inputs of a channel (group = k: one per channel). */
+static void int8_scaled_rows(const float *x, int m, int64_t k, int64_t group, const int8_t *codes,
+                             const float *scales, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
-        const int8_t *c = (const int8_t *)codes_ + n * k;
+        const int8_t *c = codes + n * k;
         for (int r = 0; r < m; r++) {
             float a = 0.f;
-            for (int64_t j = 0; j < k; j++) a += (float)c[j] * x[r * k + j];
-            y[r * ldy + n] = a * scales[n];
+            for (int64_t g = 0; g < k / group; g++) {
+                float part = 0.f;
+                for (int64_t j = g * group; j < (g + 1) * group; j++) part += (float)c[j] * x[r * k + j];
+                a += part * scales[n * (k / group) + g];
+            }
+            y[r * ldy + n] = a;
         }
     }
+}
+
+static void int8_rows(const float *x, int m, int64_t k, const void *codes, const float *scales,
+                      const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    (void)mins;
+    int8_scaled_rows(x, m, k, k, (const int8_t *)codes, scales, y, ldy, n0, n1);
+}
+
+static void int8g_rows(const float *x, int m, int64_t k, const void *codes, const float *scales,
+                       const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    (void)mins;
+    int8_scaled_rows(x, m, k, 32, (const int8_t *)codes, scales, y, ldy, n0, n1);
 }
 
 static void int4q8_rows(const int8_t *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes,
@@ -417,6 +448,12 @@ void magnitude_int4_matmul(const float *x, int64_t m, int64_t k, int64_t n, cons
 void magnitude_int8_matmul(const float *x, int64_t m, int64_t k, int64_t n, const int8_t *codes,
                            const float *scales, float *y, int threads) {
     split_rows(int8_rows, x, m, k, n, codes, scales, 0, y, threads);
+}
+
+/* y [m][n] = x [m][k] @ W^T, W in the int8g layout above. */
+void magnitude_int8g_matmul(const float *x, int64_t m, int64_t k, int64_t n, const int8_t *codes,
+                            const float *scales, float *y, int threads) {
+    split_rows(int8g_rows, x, m, k, n, codes, scales, 0, y, threads);
 }
 
 /* y [m][n] = q8(x) [m][k] @ W^T, W in the int4 layout above, x quantized per group of 32 inputs

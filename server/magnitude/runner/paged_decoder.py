@@ -36,7 +36,7 @@ from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, PagedBatch
 from magnitude.runner.fused_decode import fused_decoder
-from magnitude.runner.quantize import Int4FusedMember, Int4Group
+from magnitude.runner.quantize import Int4FusedMember, Int4Group, Int8GroupEmbedding
 
 DecoderFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
 
@@ -99,7 +99,7 @@ def lean_family(inner: nn.Module) -> _Family | None:
     may change any step, so it is not taken for one), when the model attends through the paged
     attention (the lean forward calls it whatever the config says); None otherwise."""
     family = next((f for f in FAMILIES if type(inner) is f.model), None)
-    if family is None or type(inner.embed_tokens) is not nn.Embedding:
+    if family is None or type(inner.embed_tokens) not in (nn.Embedding, Int8GroupEmbedding):
         return None
     if getattr(inner.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         return None

@@ -3,13 +3,15 @@
 - `w4a16` (weight-only, 4-bit): `Int4WeightOnlyLinear` keeps 4-bit weights in groups of 32 input
   channels with a scale and a minimum per group, the layout of GGUF's Q4_1 blocks. A weight that is
   the de-quantization of Q4_1 blocks (the bundled GGUF's decoder linears) lies on that grid
-  already, so its 4-bit codes are recovered exactly. Its LM head is int8 per output channel
-  (`WeightOnlyInt8Linear`), as GGUFs keep the output matrix above 4 bits (Q8_0 in the bundled one).
-  Where Magnitude's own kernels are built (runner/lowbit.py: this CPU's C compiler, at first use)
-  the activations stay fp32, so the decoder's products are the fp32 model's up to summation order;
-  else torch's kernels run with bf16 activations, scales and outputs (their fast path), which is
-  what the "a16" of the name stands for. `lowbit.describe()` says which ran.
-- `w4a8`: w4a16's weights (the same codes, the same int8 LM head), with each decoder product's
+  already, so its 4-bit codes are recovered exactly. Its LM head stays 8-bit, as GGUFs keep the
+  output matrix (Q8_0 in the bundled one). Where Magnitude's own kernels are built (runner/lowbit.py:
+  this CPU's C compiler, at first use) the activations stay fp32, so the decoder's products are the
+  fp32 model's up to summation order, and the head is int8 in Q8_0's groups of 32
+  (`Int8GroupLinear`, exact on Q8_0 blocks) with tied embeddings read from its codes
+  (`Int8GroupEmbedding`); else torch's kernels run with bf16 activations, scales and outputs (their
+  fast path), which is what the "a16" of the name stands for, and the head is int8 per output
+  channel (`WeightOnlyInt8Linear`). `lowbit.describe()` says which ran.
+- `w4a8`: w4a16's weights (the same codes, the same LM head and embeddings), with each decoder product's
   input rounded to int8 per group of 32 inputs (d = max|x| / 127) and multiplied by integer dot
   products: GGUF's Q4_1 x Q8_1, what llama.cpp runs for these weights. The weights are never
   converted to fp32, so a one-row product runs near memory speed (lowbit_kernels.c has the
@@ -61,6 +63,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -262,6 +265,84 @@ def int4_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, 
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((g - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
     return codes.reshape(n, k), scale, lo
+
+
+def int8_group_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (codes [N, K] int8, scale [N, K/group] fp32): symmetric round-to-nearest per
+    group, w ~ codes * scale with scale = max|w| / 127: GGUF Q8_0's quantizer, so the de-quantization
+    of Q8_0 blocks (scale * code, the largest |code| 127) maps back onto the same codes and scales."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    scale = g.abs().amax(dim=-1) / _QMAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: codes 0
+    codes = torch.round(g / safe[..., None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return codes.reshape(n, k), scale
+
+
+class Int8GroupLinear(nn.Module):
+    """y = x W^T (+ b) with W int8 in groups of 32 input channels, one scale each (GGUF Q8_0's
+    layout), through Magnitude's kernel (runner/lowbit.py) with x, the scales and y in fp32: on
+    weights that are the de-quantization of Q8_0 blocks (the bundled GGUF's LM head, tied to its
+    token embeddings) every weight is exact and the product is the fp32 model's up to summation
+    order. w4a16's and w4a8's LM head where the kernels are built (else `WeightOnlyInt8Linear`).
+
+    `grid_error`: the largest |W - codes * scale| relative to the group's scale (~0 on Q8_0 blocks,
+    up to 0.5 otherwise)."""
+
+    def __init__(self, linear: nn.Linear, kernel: "lowbit.LowbitKernels", group: int = INT4_GROUP) -> None:
+        super().__init__()
+        w = linear.weight.detach()
+        n, k = w.shape
+        if k % group:
+            raise QuantizationError(f"int8 groups of {group} need input features divisible by {group}; got {k}")
+        codes, scale = int8_group_codes(w, group)
+        err = (codes.float().reshape(n, k // group, group) * scale[..., None]
+               - w.float().reshape(n, k // group, group)).abs().amax(dim=-1)
+        self.grid_error = float((err / scale.clamp(min=1e-30)).where(scale > 0, torch.zeros_like(err)).max())
+        self.kernel = kernel
+        self.register_buffer("qweight", codes.contiguous())
+        self.register_buffer("scales", scale.float().contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.in_features = k
+        self.out_features = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _native_output(self.kernel.int8g_matmul(_fp32_rows(x, self.in_features), self.qweight, self.scales),
+                              x, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 W (groups of 32, a "
+                f"scale each), A in fp32 ({self.kernel.name})")
+
+
+class Int8GroupEmbedding(nn.Module):
+    """Token embeddings tied to an `Int8GroupLinear` LM head, read from the head's own codes and
+    scales: a row is codes * scale in fp32 (exactly the stored Q8_0 blocks' values), so no fp32
+    copy of the matrix is kept (SmolLM2: 108 MiB). Replaces an `nn.Embedding` whose weight is the
+    LM head's (tied) and does nothing else (no max_norm)."""
+
+    def __init__(self, head: Int8GroupLinear, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.register_buffer("codes", head.qweight)  # the same tensors: one copy for both
+        self.register_buffer("scales", head.scales)
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.padding_idx = padding_idx
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        groups = self.scales.shape[1]
+        rows = self.codes[input_ids].view(*input_ids.shape, groups, self.embedding_dim // groups)
+        return (rows.float() * self.scales[input_ids][..., None]).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 (groups of 32), tied to the LM head"
+
+
+def _tied_embedding(model: nn.Module, head: nn.Linear) -> nn.Embedding | None:
+    """The decoder's token embedding when it is a plain `nn.Embedding` sharing the LM head's weight."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if type(embed) is nn.Embedding and embed.weight is head.weight and embed.max_norm is None:
+        return embed
+    return None
 
 
 def _w4a8_unavailable() -> QuantizationError:
@@ -486,16 +567,31 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
         for parent, name, child in targets:
             if id(child) in fused:
                 continue
-            # The LM head stays 8-bit: GGUFs keep it (tied to the embeddings) above 4 bits, and in
-            # 4 bits SmolLM2's top-1 agreement with fp32 fell to 0.78 (int8: see the record).
-            head = parent is model and name == "lm_head"
-            replace(parent, name, WeightOnlyInt8Linear(child, torch.bfloat16) if head
-                    else Int4WeightOnlyLinear(child, activations=activations), child)
+            if parent is model and name == "lm_head":
+                _replace_head(model, child, replace)
+            else:
+                replace(parent, name, Int4WeightOnlyLinear(child, activations=activations), child)
         return len(targets)
     absmax = calibrate_input_absmax(model, [c for _, _, c in targets], calibration_ids, device) if calibration_ids else {}
     for parent, name, child in targets:
         replace(parent, name, Int8Linear(child, absmax.get(id(child))), child)
     return len(targets)
+
+
+def _replace_head(model: nn.Module, head: nn.Linear, replace: Callable) -> None:
+    """w4a16's and w4a8's LM head stays 8-bit: GGUFs keep it (tied to the embeddings) above 4 bits
+    (Q8_0 in the bundled one), and in 4 bits SmolLM2's top-1 agreement with fp32 fell to 0.78. With
+    Magnitude's kernels, int8 per group of 32 (`Int8GroupLinear`, exact on Q8_0 blocks) and tied
+    embeddings read from the same codes; else per output channel for torch's kernel."""
+    kernel = lowbit.kernels()
+    if kernel is None:
+        replace(model, "lm_head", WeightOnlyInt8Linear(head, torch.bfloat16), head)
+        return
+    embed = _tied_embedding(model, head)
+    quantized = Int8GroupLinear(head, kernel)
+    replace(model, "lm_head", quantized, head)
+    if embed is not None:  # its weight's pages went with the head's
+        model.model.embed_tokens = Int8GroupEmbedding(quantized, embed.padding_idx)
 
 
 def calibrate_input_absmax(model: nn.Module, linears: list[nn.Linear], ids: list[int],
