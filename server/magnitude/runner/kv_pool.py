@@ -141,14 +141,14 @@ class PagedKVPool:
                          for i in range(shape.num_layers)]
 
     def release_pages(self) -> None:
-        """Back to an all-zero pool, for when no sequence's K/V is in it (after the start-up
-        measurements): on the CPU its pages go back to the kernel (`MADV_DONTNEED` on the private
-        mapping reads as zeros again), elsewhere it is zeroed in place."""
-        for cache, pages in ((self.device_cache, self._device_pages), (self.host_cache, self._host_pages)):
+        """Give the CPU pools' pages back to the kernel, for when no sequence's K/V is in them (after
+        the start-up measurements): `MADV_DONTNEED` on their private mappings, which then read as
+        zeros again and cost memory only where written next. A pool elsewhere (CUDA, pinned host
+        memory) is resident whatever it holds and is left as it is: what the measurements wrote
+        there is finite, and a sequence writes each slot before it reads it."""
+        for pages in (self._device_pages, self._host_pages):
             if pages is not None:
                 pages.madvise(mmap.MADV_DONTNEED)
-            else:
-                cache.zero_()
 
     def _check(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         dev = [d for d, _ in pairs]
