@@ -240,6 +240,27 @@ def test_the_runner_loads_a_draft_and_sizes_blocks_for_both_pools(runner, tmp_pa
         ModelRunner(MODEL, draft_source="self:2", draft_proposer=drafter)
 
 
+def test_a_self_draft_shares_the_quantized_targets_embeddings():
+    """The self-draft is built before the target is quantized; w4a16 then replaces the tied token
+    embeddings by rows read from the int8 LM head's codes, and the draft must use those too, not
+    keep the replaced fp32 matrix (108 MiB) alive and resident."""
+    from magnitude.runner import ModelRunner, lowbit
+    from magnitude.runner.quantize import Int8GroupEmbedding
+
+    from .conftest import DEVICE, MODEL
+
+    if DEVICE != "cpu" or lowbit.kernels() is None:
+        pytest.skip(f"w4a16's grouped head needs Magnitude's CPU kernels: {lowbit.describe()}")
+    both = ModelRunner(MODEL, device=DEVICE, quantization="w4a16", block_size=BLOCK_SIZE, num_blocks=8, warmup=False,
+                       evaluate_quantization=False, draft_source=f"self:{SELF_LAYERS}")
+    drafter = both.draft_proposer
+    inner = both.model.model
+    assert type(inner.embed_tokens) is Int8GroupEmbedding
+    for name in ("embed_tokens", "norm", "rotary_emb"):
+        assert getattr(drafter.parts.decoder, name) is getattr(inner, name), name
+    assert list(drafter.parts.decoder.layers) == list(inner.layers)[:SELF_LAYERS]
+
+
 def test_block_budget_counts_the_draft_bytes():
     from magnitude.runner.kv_pool import KVShape, default_num_blocks
 

@@ -28,9 +28,10 @@ from .conftest import BLOCK_SIZE, DEVICE, MAX_NEW, MODEL, NUM_BLOCKS, NUM_SWAP_B
 torch = pytest.importorskip("torch")
 
 from magnitude.engine.sampling import SamplingParams  # noqa: E402
+from magnitude.runner import lowbit  # noqa: E402
 from magnitude.runner.quant_eval import agreement_and_kl, isa_description, kernel_description  # noqa: E402
-from magnitude.runner.quantize import CALIBRATION_TEXT, INT4_GROUP, Int4WeightOnlyLinear, Int8Linear, \
-    QuantizationError, WeightOnlyInt8Linear, int4_codes, quantize_linears  # noqa: E402
+from magnitude.runner.quantize import CALIBRATION_TEXT, INT4_GROUP, Int4WeightOnlyLinear, Int8GroupLinear, \
+    Int8Linear, QuantizationError, WeightOnlyInt8Linear, int4_codes, quantize_linears  # noqa: E402
 
 pytestmark = [pytest.mark.model, pytest.mark.skipif(DEVICE != "cpu", reason="int8 weights are CPU-only")]
 
@@ -42,9 +43,11 @@ pytestmark = [pytest.mark.model, pytest.mark.skipif(DEVICE != "cpu", reason="int
 # worst gap 0.0, worst |dlogprob| 0.151 (bounds about 3x that). Magnitude's kernels keep fp32.
 BOUNDS = {"w8a8": (0.6, 1.5), "w8a16": (0.05, 0.05), "w4a16": (0.3, 0.45)}
 # Least top-1 agreement and largest mean KL against fp32, teacher-forced through the paged runner.
-# Measured on AVX2: w8a8 0.917 / 0.020, w8a16 about as close as the evaluation record's 0.947 / 0.005.
-# w4a16 measured 0.968 / 0.0021.
-CLOSE_TO_FP32 = {"w8a8": (0.88, 0.04), "w8a16": (0.93, 0.01), "w4a16": (0.93, 0.01)}
+# Measured on AVX2: w8a8 0.917 / 0.020, w8a16 0.968 / 0.0051. w4a16 on Magnitude's kernels is
+# lossless on the bundled GGUF (its Q4_1 and Q8_0 blocks multiplied as stored, fp32 activations):
+# 1.000 / 0.0000; on torch's kernels (bf16 activations, a per-channel int8 head) 0.968 / 0.0021.
+CLOSE_TO_FP32 = {"w8a8": (0.88, 0.04), "w8a16": (0.93, 0.01),
+                 "w4a16": (0.99, 1e-4) if lowbit.kernels() is not None else (0.93, 0.01)}
 PREEMPT = [Preempt(4, "r5", "swap", resume_after=2), Preempt(7, "r4", "recompute")]
 
 
@@ -139,7 +142,7 @@ def _drop_tail_columns_of_multi_row_products(module, monkeypatch) -> None:
 
 
 def _quantized_linears(model):
-    return [m for m in model.modules() if isinstance(m, (Int8Linear, WeightOnlyInt8Linear, Int4WeightOnlyLinear))]
+    return [m for m in model.modules() if isinstance(m, (Int8Linear, WeightOnlyInt8Linear, Int4WeightOnlyLinear, Int8GroupLinear))]
 
 
 def _break_batched_products(runner, monkeypatch) -> None:

@@ -139,6 +139,8 @@ def test_q8_0_blocks_come_back_exactly_as_head_and_embedding(native):
     rows = embed(ids)
     assert rows.dtype == torch.float32 and rows.shape == (1, 5, 576) and torch.equal(rows, w[ids])
     assert embed.codes.data_ptr() == head.qweight.data_ptr() and embed.scales.data_ptr() == head.scales.data_ptr()
+    half = Int8GroupEmbedding(head, dtype=torch.bfloat16)  # a bf16 model's rows stay bf16
+    assert half(ids).dtype == torch.bfloat16 and torch.equal(half(ids), w[ids].bfloat16())
     # Off the grid the codes are Q8_0's quantizer's: within half a step of every weight.
     lin.weight.data.normal_()
     rough = Int8GroupLinear(lin, native)

@@ -65,6 +65,9 @@ class DraftParts:
     head: Callable[[], torch.nn.Module]  # the LM head, looked up per call (quantization may replace it)
     config: Any
     weight_bytes: int  # memory the draft adds (0 for a self-draft: it shares the target's weights)
+    # A self-draft's target decoder: its modules besides the layers (embeddings, final norm, rotary) are
+    # the draft's too, re-read after quantizing the target replaced some (ModelRunner calls follow_target).
+    target_decoder: torch.nn.Module | None = None
 
 
 def kv_shape(config: Any, block_size: int, dtype: torch.dtype) -> KVShape:
@@ -93,7 +96,7 @@ def self_draft(model: torch.nn.Module, spec: str) -> DraftParts:
     if getattr(config, "layer_types", None):
         config.layer_types = list(config.layer_types)[:n]
     shallow.config = config
-    return DraftParts(spec, shallow, lambda: model.lm_head, config, 0)
+    return DraftParts(spec, shallow, lambda: model.lm_head, config, 0, inner)
 
 
 def loaded_draft(model: torch.nn.Module, name: str) -> DraftParts:
@@ -186,6 +189,18 @@ class DraftModelProposer:
     @property
     def bytes_per_block(self) -> int:
         return self.pool.shape.bytes_per_block
+
+    def follow_target(self) -> None:
+        """A self-draft takes the target's current embeddings, final norm and rotary module: the
+        draft is built before the target is quantized, and quantizing may replace them (w4a16's
+        tied embeddings), which the draft must share rather than keep the replaced ones of."""
+        inner = self.parts.target_decoder
+        if inner is None:
+            return
+        for name, module in inner._modules.items():
+            if name != "layers":
+                self.parts.decoder._modules[name] = module
+        self._decoder_for = None
 
     def release_pages(self) -> None:
         """Empty the draft's pool (ModelRunner.release_kv_pages): no request's draft K/V is valid after."""

@@ -152,7 +152,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     # The kernels the model's projections were built on (none for an unquantized model, which
     # therefore never builds them); every projection is checked against it below.
     kernel = getattr(layers[0].self_attn.o_proj, "kernel", None)
-    fp32_rows = isinstance(inner.embed_tokens, Int8GroupEmbedding) or inner.embed_tokens.weight.dtype == torch.float32
+    embed = inner.embed_tokens
+    fp32_rows = (embed.dtype if isinstance(embed, Int8GroupEmbedding) else embed.weight.dtype) == torch.float32
     if not isinstance(kernel, lowbit.LowbitKernels) or getattr(config, "hidden_act", None) != "silu" or not fp32_rows:
         return None
     attn0 = layers[0].self_attn

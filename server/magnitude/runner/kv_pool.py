@@ -99,7 +99,10 @@ def _anonymous_pages(nbytes: int) -> mmap.mmap:
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; THP may be set to `always`
-        pages.madvise(mmap.MADV_NOHUGEPAGE)
+        try:
+            pages.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages: nothing to turn off
+            pass
     return pages
 
 
@@ -148,7 +151,10 @@ class PagedKVPool:
         there is finite, and a sequence writes each slot before it reads it."""
         for pages in (self._device_pages, self._host_pages):
             if pages is not None:
-                pages.madvise(mmap.MADV_DONTNEED)
+                try:
+                    pages.madvise(mmap.MADV_DONTNEED)
+                except OSError as exc:  # only memory is lost, not correctness: the pages stay as written
+                    log.warning("could not give back the KV pool's pages: %s", exc)
 
     def _check(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         dev = [d for d, _ in pairs]

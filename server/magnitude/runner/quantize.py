@@ -321,20 +321,26 @@ class Int8GroupEmbedding(nn.Module):
     copy of the matrix is kept (SmolLM2: 108 MiB). Replaces an `nn.Embedding` whose weight is the
     LM head's (tied) and does nothing else (no max_norm)."""
 
-    def __init__(self, head: Int8GroupLinear, padding_idx: int | None = None) -> None:
+    def __init__(self, head: Int8GroupLinear, padding_idx: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """`dtype`: what the replaced embedding returned (the model's dtype), so the residual
+        stream after it is what it was."""
         super().__init__()
         self.register_buffer("codes", head.qweight)  # the same tensors: one copy for both
         self.register_buffer("scales", head.scales)
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.padding_idx = padding_idx
+        self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         groups = self.scales.shape[1]
         rows = self.codes[input_ids].view(*input_ids.shape, groups, self.embedding_dim // groups)
-        return (rows.float() * self.scales[input_ids][..., None]).view(*input_ids.shape, self.embedding_dim)
+        out = (rows.float() * self.scales[input_ids][..., None]).view(*input_ids.shape, self.embedding_dim)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 (groups of 32), tied to the LM head"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, int8 (groups of 32), tied to the LM head, "
+                f"rows in {str(self.dtype).removeprefix('torch.')}")
 
 
 def _tied_embedding(model: nn.Module, head: nn.Linear) -> nn.Embedding | None:
@@ -591,7 +597,7 @@ def _replace_head(model: nn.Module, head: nn.Linear, replace: Callable) -> None:
     quantized = Int8GroupLinear(head, kernel)
     replace(model, "lm_head", quantized, head)
     if embed is not None:  # its weight's pages went with the head's
-        model.model.embed_tokens = Int8GroupEmbedding(quantized, embed.padding_idx)
+        model.model.embed_tokens = Int8GroupEmbedding(quantized, embed.padding_idx, embed.weight.dtype)
 
 
 def calibrate_input_absmax(model: nn.Module, linears: list[nn.Linear], ids: list[int],

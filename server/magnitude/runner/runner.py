@@ -172,6 +172,9 @@ class ModelRunner:
         self.last_step = StepTiming()
         self.quantization_record = self._quantize(loaded.source, record_cache if evaluate_quantization else None,
                                                   report, evaluate_quantization)
+        drafter = self._draft_model()
+        if drafter is not None:
+            drafter.follow_target()
         if warmup:
             self._warmup(report)
         self.release_kv_pages()
