@@ -43,3 +43,43 @@ def test_profile_of_the_real_runner_loads_as_a_cost_model(runner, tmp_path):
     secs = doc["seconds"]
     assert all(s > 0 for row in secs for s in row)
     assert secs[1][1] > secs[0][0]  # two decodes plus a chunk take longer than an empty step
+
+
+class _ScriptedRunner:
+    """A runner whose step times are scripted per grid cell (decodes, prefill tokens), pass by
+    pass, and which counts the steps it ran: no model, no timing noise."""
+
+    block_size, num_blocks, num_swap_blocks = 16, 64, 0
+    model_name, device, dtype, quantization = "scripted", "cpu", "float32", "none"
+
+    def __init__(self, script: dict[tuple[int, int], list[float]]) -> None:
+        self.script = script
+        self.ran: dict[tuple[int, int], int] = {}
+
+    def execute(self, plan):
+        from types import SimpleNamespace
+
+        cell = (sum(1 for s in plan.seqs if s.request_id.startswith("d")),
+                sum(len(s.token_ids) for s in plan.seqs if s.request_id == "p"))
+        if plan.step_id == 0:  # the unmeasured first run of the largest cell
+            return SimpleNamespace(duration_s=1.0)
+        n = self.ran.get(cell, 0)
+        self.ran[cell] = n + 1
+        return SimpleNamespace(duration_s=self.script[cell][n])
+
+
+def test_the_engines_third_pass_runs_only_where_the_first_two_disagree():
+    """With `agreement` (the engine's calibration), a cell whose first two passes agree within it is
+    not measured a third time (its median could only move within their band), one that disagrees is,
+    and takes the median of three; without it every pass runs (`magnitude profile --repeats`)."""
+    script = {(1, 0): [0.010, 0.0104, 9.0], (0, 16): [0.040, 0.080, 0.041], (1, 16): [0.050, 0.051, 9.0]}
+    runner = _ScriptedRunner(script)
+    doc = profile_runner(runner, [0, 1], [0, 16], context=20, repeats=3, attention=False, agreement=0.05)
+    assert runner.ran == {(1, 0): 2, (0, 16): 3, (1, 16): 2}
+    assert doc["meta"]["passes"] == 7
+    secs = doc["seconds"]
+    assert secs[1][0] == pytest.approx(0.0102) and secs[0][1] == pytest.approx(0.041)
+    assert secs[1][1] == pytest.approx(0.0505)
+    every = _ScriptedRunner(script)
+    doc = profile_runner(every, [0, 1], [0, 16], context=20, repeats=3, attention=False)
+    assert every.ran == {(1, 0): 3, (0, 16): 3, (1, 16): 3} and doc["seconds"][1][1] == pytest.approx(0.051)

@@ -3,7 +3,8 @@ start-up `calibrating` phase, and the cache that lets a restart skip it.
 
 `profile_runner` times real `runner.execute` calls over a grid of (decode batch size, prefill
 tokens): `d` decodes at a fixed context length plus one prefill chunk of `p` tokens, the median
-of `repeats` passes over the grid; then the attention figures (runner/attention_cost.py: what a
+of `repeats` passes over the grid (the engine's third pass only where a cell's first two
+disagree); then the attention figures (runner/attention_cost.py: what a
 decode pays per context token beyond that length, a chunk deep in a long prompt per query-key
 pair) and the swap rate. Its result is the simulator's `table` cost model document
 (sim/cost.py reads it; `GET /debug/cost-model` returns it). `calibrated_cost_model` is the engine's
@@ -35,24 +36,29 @@ from magnitude.runner.swap_bandwidth import measure_swap
 
 log = logging.getLogger(__name__)
 
-# The start-up grid: small on purpose (15 cells that do work, 2 passes). The table is interpolated between
+# The start-up grid: small on purpose (15 cells that do work, 2-3 passes). The table is interpolated between
 # these points and extrapolated linearly beyond them (sim/cost.py).
 CALIBRATION_DECODES = (0, 1, 4, 16)
 CALIBRATION_PREFILLS = (0, 16, 64, 256)
 CALIBRATION_CONTEXT = 256
 CALIBRATION_REPEATS = 3
+# A cell's third pass runs only where its first two differ by more than this: the median of three
+# always lies between the first two, so where they agree within 5% the third could move the cell by
+# less than that (the grid's 256-token column is most of the calibration's time).
+CALIBRATION_AGREEMENT = 0.05
 # The attention figures' prefill chunk (a typical derived chunk is 128-256 tokens) and the share of
 # the calibration's progress the grid stands for (the attention pairs take about the rest).
 ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "7"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+CALIBRATION_VERSION = "8"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
 # 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
 # 7: the fused step attends a chunk's rows together (since then the key also names the low-bit
-# kernels' build, lowbit.describe(), so kernel changes re-measure on their own)
+# kernels' build, lowbit.describe(), so kernel changes re-measure on their own);
+# 8: the engine's third pass only for cells whose first two disagree (CALIBRATION_AGREEMENT)
 
 ProgressFn = Callable[[float], None]
 
@@ -73,7 +79,8 @@ def blocks_needed(decodes: list[int], prefills: list[int], context: int, block_s
 
 
 def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context: int, repeats: int,
-                   progress: ProgressFn | None = None, attention: bool = True) -> dict:
+                   progress: ProgressFn | None = None, attention: bool = True,
+                   agreement: float | None = None) -> dict:
     """The cost-model document for this runner (kind `table`). One unmeasured run of the largest
     cell (first-shape effects), then `repeats` passes over the grid; a cell's time is its median
     pass: the simulator and the ITL bound predict the steps the engine will run, which jitter as
@@ -81,17 +88,21 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
     load lands on one pass of a cell, which the median drops), and the table is made non-decreasing along both axes (more work never costs less),
     which the ITL bound's searches rely on. `progress(fraction)` after each measured cell (the grid
     is the first GRID_SHARE of the work). `attention=False` leaves the attention figures out (a
-    benchmark that reads only the table's cells)."""
+    benchmark that reads only the table's cells). `agreement` (the engine's CALIBRATION_AGREEMENT):
+    passes after the second measure only the cells whose times so far differ by more than that
+    fraction of the smallest."""
     block_size = runner.block_size
     runner.execute(_plan(max(decodes), max(prefills), context, block_size, 0))
     cells = [(i, j) for i in range(len(decodes)) for j in range(len(prefills))]
     times: list[list[list[float]]] = [[[] for _ in prefills] for _ in decodes]
     done, total = 0, max(1, repeats) * len(cells) / (GRID_SHARE if attention else 1.0)
-    for _ in range(max(1, repeats)):
+    for n in range(max(1, repeats)):
         for i, j in cells:
             d, p = decodes[i], prefills[j]
-            if d or p:  # an empty step does nothing: leave it at the floor
-                times[i][j].append(runner.execute(_plan(d, p, context, block_size, done + 1)).duration_s)
+            so_far = times[i][j]
+            settled = agreement is not None and n >= 2 and bool(so_far) and max(so_far) <= (1.0 + agreement) * min(so_far)
+            if (d or p) and not settled:  # an empty step does nothing: leave it at the floor
+                so_far.append(runner.execute(_plan(d, p, context, block_size, done + 1)).duration_s)
             done += 1
             if progress is not None:
                 progress(done / total)
@@ -113,6 +124,8 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
             "quantization": getattr(runner, "quantization", "none") or "none",
             "decode_context_tokens": context,
             "repeats": repeats,
+            "agreement": agreement,
+            "passes": sum(len(v) for row in times for v in row),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     }
@@ -206,7 +219,7 @@ def calibrated_cost_model(runner: Any, cache_dir: Path | None, progress: Progres
             log.info("step-cost table from the cache (%s/%s.json)", cache_dir, key)
             return doc
     t0 = time.perf_counter()
-    doc = profile_runner(runner, *grid, repeats=CALIBRATION_REPEATS, progress=progress)
+    doc = profile_runner(runner, *grid, repeats=CALIBRATION_REPEATS, progress=progress, agreement=CALIBRATION_AGREEMENT)
     doc["meta"]["calibration_seconds"] = round(time.perf_counter() - t0, 3)
     doc["meta"]["cache_key"] = key or None
     busy = _busy()
