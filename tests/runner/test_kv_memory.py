@@ -13,7 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from magnitude.runner.kv_pool import KVShape, PagedKVPool, _zeros, default_num_blocks, host_available_bytes  # noqa: E402,E501
+from magnitude.runner.kv_pool import (  # noqa: E402
+    KVShape, PagedKVPool, _zeros, default_num_blocks, host_available_bytes)
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)  # 8 KiB a block
 GIB = 1 << 30

@@ -100,7 +100,8 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
         for i, j in cells:
             d, p = decodes[i], prefills[j]
             so_far = times[i][j]
-            settled = agreement is not None and n >= 2 and bool(so_far) and max(so_far) <= (1.0 + agreement) * min(so_far)
+            settled = (agreement is not None and n >= 2 and bool(so_far)
+                       and max(so_far) <= (1.0 + agreement) * min(so_far))
             if (d or p) and not settled:  # an empty step does nothing: leave it at the floor
                 so_far.append(runner.execute(_plan(d, p, context, block_size, done + 1)).duration_s)
             done += 1
