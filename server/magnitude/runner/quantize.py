@@ -267,6 +267,13 @@ def int4_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, 
     return codes.reshape(n, k), scale, lo
 
 
+def _grid_error(recon: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> float:
+    """The largest |w - recon| in units of its group's scale (0 for a constant group): recon
+    [N, G, group] de-quantized codes, w [N, K], scale [N, G]. ~0 when w was on the grid already."""
+    err = (recon - w.float().reshape(recon.shape)).abs().amax(dim=-1)
+    return float((err / scale.clamp(min=1e-30)).where(scale > 0, torch.zeros_like(err)).max())
+
+
 def int8_group_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (codes [N, K] int8, scale [N, K/group] fp32): symmetric round-to-nearest per
     group, w ~ codes * scale with scale = max|w| / 127: GGUF Q8_0's quantizer, so the de-quantization
@@ -296,9 +303,7 @@ class Int8GroupLinear(nn.Module):
         if k % group:
             raise QuantizationError(f"int8 groups of {group} need input features divisible by {group}; got {k}")
         codes, scale = int8_group_codes(w, group)
-        err = (codes.float().reshape(n, k // group, group) * scale[..., None]
-               - w.float().reshape(n, k // group, group)).abs().amax(dim=-1)
-        self.grid_error = float((err / scale.clamp(min=1e-30)).where(scale > 0, torch.zeros_like(err)).max())
+        self.grid_error = _grid_error(codes.float().reshape(n, k // group, group) * scale[..., None], w, scale)
         self.kernel = kernel
         self.register_buffer("qweight", codes.contiguous())
         self.register_buffer("scales", scale.float().contiguous())
@@ -385,8 +390,7 @@ class Int4WeightOnlyLinear(nn.Module):
             raise QuantizationError(f"{method} needs input features divisible by {group}; a linear has {k}")
         codes, scale, lo = int4_codes(w, group)
         recon = codes.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]
-        err = (recon - w.float().reshape(n, k // group, group)).abs().amax(dim=-1)
-        self.grid_error = float((err / scale.clamp(min=1e-30)).where(scale > 0, torch.zeros_like(err)).max())
+        self.grid_error = _grid_error(recon, w, scale)
         self.kernel = lowbit.kernels() if group == lowbit.K_MULTIPLE else None
         if activations == "int8" and self.kernel is None:
             raise _w4a8_unavailable()
