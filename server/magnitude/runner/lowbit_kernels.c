@@ -46,7 +46,9 @@
 #endif
 
 const char *magnitude_lowbit_isa(void) {
-#ifdef __AVX2__
+#if defined(__AVX512F__) && defined(__AVX2__)
+    return "avx512";
+#elif defined(__AVX2__)
     return "avx2";
 #else
     return "generic";
@@ -190,6 +192,36 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
+/* The vector the fp32-weight passes below work in: 16 lanes where the compiler targets AVX-512
+   (`-march=native` on such a CPU), 8 otherwise. A group of 32 weights is VECS vectors. Where the
+   CPU decodes 512-bit operations at full width, a one-row int4 product converts twice the weights
+   per instruction, and that conversion, not memory, bounds it. Results differ between the two widths
+   in the last bits (another summation order), never between batches or thread counts on one CPU. */
+#ifdef __AVX512F__
+typedef __m512 vecf;
+#define VECS 2
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VSET1(v) _mm512_set1_ps(v)
+#define VSUM(v) _mm512_reduce_add_ps(v)
+/* 16 bytes -> 16 fp32 (unsigned / signed) */
+#define U8_TO_F32(b) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
+#define S8_TO_F32(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#else
+typedef __m256 vecf;
+#define VECS 4
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VSET1(v) _mm256_set1_ps(v)
+#define VSUM(v) hsum(v)
+#define S8_TO_F32(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
+#define VLANES (32 / VECS)
+
 /* Channels [n0, n1) for exactly M activation rows, NB channels at a time. Every row's sum is
    formed in the same order whatever M and NB are (one accumulator, the group's four vectors in
    turn), so a row's result does not depend on which rows share its batch; NB independent channels
@@ -201,28 +233,41 @@ static void NAME##_##M##_##NB(const float *x, int64_t k, const void *codes_, con
     enum { PASS_ROWS = M };  /* for DECODE */                                                      \
     int64_t n = n0;                                                                                \
     for (; n + NB <= n1; n += NB) {                                                                \
-        __m256 acc[M][NB];                                                                         \
+        vecf acc[M][NB];                                                                           \
         for (int r = 0; r < M; r++)                                                                \
-            for (int q = 0; q < NB; q++) acc[r][q] = _mm256_setzero_ps();                          \
+            for (int q = 0; q < NB; q++) acc[r][q] = VZERO();                          \
         for (int64_t g = 0; g < k / 32; g++) {                                                     \
             const float *xg = x + g * 32;                                                          \
             for (int q = 0; q < NB; q++) {                                                         \
-                __m256 w[4];                                                                       \
+                vecf w[VECS];                                                                      \
                 const int64_t ch = n + q;                                                          \
                 DECODE                                                                             \
                 for (int r = 0; r < M; r++)                                                        \
-                    for (int j = 0; j < 4; j++)                                                    \
-                        acc[r][q] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + r * k + 8 * j), acc[r][q]); \
+                    for (int j = 0; j < VECS; j++)                                                 \
+                        acc[r][q] = VFMA(w[j], VLOAD(xg + r * k + VLANES * j), acc[r][q]);         \
             }                                                                                      \
         }                                                                                          \
         for (int r = 0; r < M; r++)                                                                \
             for (int q = 0; q < NB; q++) {                                                         \
                 const int64_t ch = n + q;                                                          \
-                y[r * ldy + ch] = hsum(acc[r][q]) SCALE_END;                                       \
+                y[r * ldy + ch] = VSUM(acc[r][q]) SCALE_END;                                       \
             }                                                                                      \
     }                                                                                              \
     if (n < n1 && NB > 1) NAME##_##M##_1(x, k, codes_, scales, mins, y, ldy, n, n1);              \
 }
+
+/* A group's nibbles lo (inputs 0..15) and hi (16..31) as weights, code * scale + min. */
+#ifdef __AVX512F__
+#define DEQUANT_NIBBLES                                                                            \
+    w[0] = VFMA(U8_TO_F32(lo), sc, mi);                                                            \
+    w[1] = VFMA(U8_TO_F32(hi), sc, mi);
+#else
+#define DEQUANT_NIBBLES                                                                            \
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sc, mi);                  \
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sc, mi); \
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sc, mi);                  \
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), sc, mi);
+#endif
 
 /* 16 bytes of nibbles -> 32 weights, dequantized with the group's scale and minimum. */
 #define DECODE_INT4                                                                                \
@@ -237,26 +282,21 @@ static void NAME##_##M##_##NB(const float *x, int64_t k, const void *codes_, con
     const __m128i mask = _mm_set1_epi8(0x0F);                                                      \
     __m128i b = _mm_loadu_si128((const __m128i *)c);                                               \
     __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);           \
-    __m256 sc = _mm256_set1_ps(scales[ch * (k / 32) + g]), mi = _mm256_set1_ps(mins[ch * (k / 32) + g]); \
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sc, mi);                  \
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sc, mi); \
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sc, mi);                  \
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), sc, mi);
+    const vecf sc = VSET1(scales[ch * (k / 32) + g]), mi = VSET1(mins[ch * (k / 32) + g]);        \
+    DEQUANT_NIBBLES
 
 /* 32 signed bytes -> 32 weights; the channel's scale is applied once, to the sum. */
 #define DECODE_INT8                                                                                \
     const int8_t *c = (const int8_t *)codes_ + ch * k + g * 32;                                     \
     if (PASS_ROWS <= 2 && ch + PREFETCH_CHANNELS < n1) _mm_prefetch((const char *)(c + PREFETCH_CHANNELS * k), _MM_HINT_T0); \
-    for (int j = 0; j < 4; j++)                                                                    \
-        w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * j))));
+    for (int j = 0; j < VECS; j++) w[j] = S8_TO_F32(c + VLANES * j);
 
 /* 32 signed bytes -> 32 weights times their group's scale (each product exact in fp32). */
 #define DECODE_INT8G                                                                               \
     const int8_t *c = (const int8_t *)codes_ + ch * k + g * 32;                                     \
     if (PASS_ROWS <= 2 && ch + PREFETCH_CHANNELS < n1) _mm_prefetch((const char *)(c + PREFETCH_CHANNELS * k), _MM_HINT_T0); \
-    const __m256 sc = _mm256_set1_ps(scales[ch * (k / 32) + g]);                                    \
-    for (int j = 0; j < 4; j++)                                                                    \
-        w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * j)))), sc);
+    const vecf sc = VSET1(scales[ch * (k / 32) + g]);                                               \
+    for (int j = 0; j < VECS; j++) w[j] = VMUL(S8_TO_F32(c + VLANES * j), sc);
 
 DEFINE_PASS(int4_pass, 1, 1, DECODE_INT4, )
 DEFINE_PASS(int4_pass, 1, 4, DECODE_INT4, )
