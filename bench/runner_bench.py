@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
     p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-runner"))
     p.add_argument("--budget", action="append", default=[], metavar="SYSTEM=N",
-                   help="override a Magnitude variant's token budget (= prefill chunk), e.g. magnitude-int8=128")
+                   help="override a Magnitude variant's token budget (= prefill chunk), e.g. magnitude-int8=128; "
+                        "0 sets neither, so the engine derives both as magnitude-default's does")
     p.add_argument("--traces", default="mixed,long")
     p.add_argument("--moderate-rate", type=float, default=None, metavar="REQ_S",
                    help="arrival rate of the moderate trace (default: %.2f of llama-server's mixed req/s when "
