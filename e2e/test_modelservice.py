@@ -232,9 +232,10 @@ def test_3b_prompt_lookup_serves_the_real_model(kube, operator, kubelet) -> None
         answer = reply.json()
         ids = httpx.post(f"{url}/tokenize", json={"model": model, "messages": messages}, timeout=30).json()["tokens"]
 
-        from magnitude.runner import ModelRunner  # the same model and dtype as the example, no drafts
+        from magnitude.runner import ModelRunner  # the same model and weights as the example, no drafts
 
-        runner = ModelRunner(doc["spec"]["model"]["source"], device="cpu", dtype="float32", num_blocks=16,
+        runner = ModelRunner(doc["spec"]["model"]["source"], device="cpu", dtype=doc["spec"]["dtype"],
+                             quantization=doc["spec"].get("quantization", "none"), num_blocks=16,
                              warmup=False, evaluate_quantization=False)
         ref = runner.greedy_tokens([ids], 32)[0]
         expected = runner.tokenizer.decode([t for t in ref if t not in runner.eos_token_ids], skip_special_tokens=True)

@@ -2,12 +2,13 @@
 
 The rule is checked for every CPU class through its feature flags; the real engine is started
 without --dtype/--quantization on the real model and must serve what the rule picks for this CPU,
-say so in /readyz, and, when the evaluation record of a quantized default fails, serve float32
-instead of refusing (a quantization asked for by name is refused: test_quantization_record.py).
+say so in /readyz, and, when the evaluation record of a quantized default fails (here: a failing
+record in the cache), serve float32 instead of refusing (a quantization asked for by name is refused: test_quantization_record.py).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -29,7 +30,9 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}
     (AVX2, True, ("float32", "w4a16")),
     (AVX2, False, ("float32", "none")),
     (AVX512, True, ("float32", "w4a16")),
-    (AVX512 | {"avx512_bf16"}, True, ("bfloat16", "none")),
+    (AVX512 | {"avx512_bf16"}, True, ("float32", "w4a16")),  # w4a16 decodes 4-6x faster than native bf16
+    (AVX512 | {"avx512_bf16"}, False, ("bfloat16", "none")),
+    (AVX512 | {"amx_bf16", "amx_tile"}, True, ("float32", "w4a16")),
     (AVX512 | {"amx_bf16", "amx_tile"}, False, ("bfloat16", "none")),
 ])
 def test_the_cpu_rule(flags, q4_1, expected):
@@ -95,8 +98,13 @@ def test_serve_without_flags_loads_the_default_for_this_cpu_and_falls_back_when_
             assert r.json()["quantization"]["passed"], r.json()["quantization"]
     if expected.quantization == "none":
         return  # nothing quantized here, so nothing to fall back from
-    for url, proc in _serve(cache, cost_model_file, log, "quantizationEvaluation.minTop1Agreement=1.0",
-                            "quantizationEvaluation.maxMeanKl=0"):
+    # w4a16 is exact to the file, so on some CPUs its record is perfect (KL 0.0) and no threshold
+    # fails it: the restart reads a failing record from the cache the first start wrote instead
+    records = list((cache / "quantization-records").glob("*.json"))
+    assert len(records) == 1, records
+    failing = json.loads(records[0].read_text()) | {"top1_agreement": 0.5, "mean_kl": 0.5}
+    records[0].write_text(json.dumps(failing))
+    for url, proc in _serve(cache, cost_model_file, log):
         r = _wait_loaded(url, proc, log)
         assert r.status_code == 200, r.text  # served, not quantization_rejected
         weights = r.json()["weights"]

@@ -3,13 +3,16 @@
 report (issue 17 owns this rule; docs/runner.md "Default weights per CPU" has the measurements).
 
 - CUDA: bfloat16, no quantization (the low-bit kernels here are CPU-only).
-- A CPU with native bf16 matmuls (AMX-BF16 or AVX512-BF16 in /proc/cpuinfo): bfloat16 weights, no
-  quantization: bf16 there is about 2x fp32 on every step shape and keeps the KV cache in fp32.
-- Any other CPU (AVX2, AVX-512 without BF16), serving a GGUF whose decoder linears are Q4_1 (the
-  bundled model): fp32 with w4a16 linears. Their codes are the file's exactly (runner/quantize.py),
-  so the weights lose nothing, and a decode step reads about 6x fewer weight bytes than in fp32;
-  bf16 has no native matmul there. Any other checkpoint: fp32, exact to the file (the default
-  never rounds weights below what the file holds).
+- Any CPU serving a GGUF whose decoder linears are Q4_1 (the bundled model): fp32 with w4a16
+  linears. Their codes are the file's exactly (runner/quantize.py), so the weights lose nothing,
+  and a decode step reads about 6x fewer weight bytes than in fp32. On a CPU with native bf16 too:
+  there, bf16 prefills faster (a 256-token chunk 0.59x w4a16's time) but decodes 3.7-6.2x
+  slower (batch 1 to 8), and a served stream waits on decodes (2-core AVX-512 BF16 EPYC, docs/runner.md).
+- Any other checkpoint on a CPU with native bf16 matmuls (AMX-BF16 or AVX512-BF16 in
+  /proc/cpuinfo): bfloat16 weights, no quantization: bf16 there is 2.2-2.7x fp32 on every step
+  shape and keeps the KV cache in fp32.
+- Any other checkpoint on any other CPU (AVX2, AVX-512 without BF16): fp32, exact to the file;
+  bf16 has no native matmul there.
 
 The quantized choice is gated by its evaluation record: when the record fails the config's
 thresholds, `magnitude serve` reloads with `fallback()` (fp32, none) and says so, rather than
@@ -73,18 +76,20 @@ def choose_weights(dtype: str | None, quantization: str | None, device_type: str
     if device_type != "cpu":
         return WeightsChoice(None, "none", "default",
                              f"{device_type}: bfloat16, no quantization (the low-bit kernels are CPU-only)")
+    if q4_1_source:
+        return WeightsChoice("float32", "w4a16", "default",
+                             "CPU, Q4_1 checkpoint: w4a16 keeps its 4-bit codes exactly and reads ~6x fewer "
+                             "weight bytes per decode step than float32 (decodes faster than bfloat16 even "
+                             "where bf16 is native); gated by the evaluation record")
     flags = cpu_flags() if flags is None else flags
     native = [f for f in NATIVE_BF16_FLAGS if f in flags]
     if native:
         return WeightsChoice("bfloat16", "none", "default",
-                             f"CPU with native bf16 matmuls ({', '.join(native)}): bfloat16 weights")
-    if not q4_1_source:
-        return WeightsChoice("float32", "none", "default",
-                             "CPU without native bf16, checkpoint not Q4_1: float32, exact to the file")
-    return WeightsChoice("float32", "w4a16", "default",
-                         "CPU without native bf16 (no amx_bf16/avx512_bf16), Q4_1 checkpoint: w4a16 keeps its "
-                         "4-bit codes exactly and reads ~6x fewer weight bytes per decode step than float32; "
-                         "gated by the evaluation record")
+                             f"CPU with native bf16 matmuls ({', '.join(native)}), checkpoint not Q4_1: "
+                             "bfloat16 weights")
+    return WeightsChoice("float32", "none", "default",
+                         "CPU without native bf16 (no amx_bf16/avx512_bf16), checkpoint not Q4_1: float32, "
+                         "exact to the file")
 
 
 def fallback(choice: WeightsChoice, failures: list[str]) -> WeightsChoice:
