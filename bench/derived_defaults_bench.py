@@ -38,7 +38,7 @@ from magnitude.sim.trace import write_trace  # noqa: E402
 
 DTYPES = {"fp32": ["--dtype", "float32"], "bf16": ["--dtype", "bfloat16"],
           "int8": ["--dtype", "float32", "--quantization", "w8a8"],
-          # weight-only low-bit linears: w4a16 is the default on CPUs without native bf16 (runner/defaults.py)
+          # weight-only low-bit linears: w4a16 is the default for this GGUF on every CPU (runner/defaults.py)
           "w4a16": ["--dtype", "float32", "--quantization", "w4a16"],
           "w8a16": ["--dtype", "float32", "--quantization", "w8a16"]}
 ADMIN = "bench-admin"

@@ -1,5 +1,5 @@
-"""Magnitude's low-bit CPU kernels (`runner/lowbit.py`, `lowbit_kernels.c`): built for this CPU, and
-for no SIMD at all, they must compute the dequantized matmul in fp32, give a row the same bits
+"""Magnitude's low-bit CPU kernels (`runner/lowbit.py`, `lowbit_kernels.c`): built for this CPU, for
+AVX2 alone (the 8-lane passes, where the native build has 16), and for no SIMD at all, they must compute the dequantized matmul in fp32, give a row the same bits
 whatever rows share its batch and however many threads run, and leave torch's kernels in charge,
 with the reason logged, where no compiler is found. Each test prints the CPU and the build it ran."""
 
@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from magnitude.runner import lowbit  # noqa: E402
+from magnitude.runner.defaults import cpu_flags  # noqa: E402
 from magnitude.runner.quant_eval import isa_description  # noqa: E402
 from magnitude.runner.quantize import (  # noqa: E402
     Int4WeightOnlyLinear, Int8GroupEmbedding, Int8GroupLinear, QuantizationError, WeightOnlyInt8Linear)
@@ -41,7 +42,25 @@ def portable(tmp_path_factory: pytest.TempPathFactory) -> lowbit.LowbitKernels:
     return k
 
 
-@pytest.fixture(params=["native", "portable"])
+# The 8-lane AVX2 build on a CPU whose native build is AVX-512 (on an AVX2-only CPU, the native
+# build again): each width's passes are checked wherever the CPU can run them.
+AVX2_FLAGS = ("-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC")
+
+
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory: pytest.TempPathFactory) -> lowbit.LowbitKernels:
+    if "avx2" not in cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    try:
+        path = lowbit.build(tmp_path_factory.mktemp("avx2"), flags=AVX2_FLAGS)
+    except lowbit.LowbitKernelError as e:
+        pytest.skip(str(e))
+    k = lowbit.load(path)
+    assert k.isa == "avx2"
+    return k
+
+
+@pytest.fixture(params=["native", "avx2", "portable"])
 def kernel(request: pytest.FixtureRequest) -> lowbit.LowbitKernels:
     k = request.getfixturevalue(request.param)
     print(f"\nlowbit kernels {k.name} on {isa_description()}")

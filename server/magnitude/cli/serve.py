@@ -77,8 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "replaces the source's own name, as in vLLM (default: the GGUF's stem, the directory's name, or org/name)")
     p.add_argument("--device", help="cpu or cuda (default: automatic)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16. auto with --quantization auto: "
-                   "the default weights per device (docs/runner.md): bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, "
-                   "else float32 (with w4a16 for a Q4_1 GGUF); auto with a quantization given: float32 on CPU")
+                   "the default weights per device (docs/runner.md): bfloat16 on CUDA; on CPU float32 with w4a16 for a Q4_1 "
+                   "GGUF, else bfloat16 on CPUs with AMX/AVX512-BF16 and float32 on others; auto with a quantization "
+                   "given: float32 on CPU")
     p.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=None,
                    help="CPU weight formats for the decoder linears and LM head: w4a16 = 4-bit weights in groups of "
                    "32 (GGUF Q4_1's layout), int8 LM head, fp32 activations on Magnitude's kernels (bf16 on torch's "

@@ -9,8 +9,8 @@ report (issue 17 owns this rule; docs/runner.md "Default weights per CPU" has th
   there, bf16 prefills faster (a 256-token chunk 0.59x w4a16's time) but decodes 3.7-6.2x
   slower (batch 1 to 8), and a served stream waits on decodes (2-core AVX-512 BF16 EPYC, docs/runner.md).
 - Any other checkpoint on a CPU with native bf16 matmuls (AMX-BF16 or AVX512-BF16 in
-  /proc/cpuinfo): bfloat16 weights, no quantization: bf16 there is 2.2-2.7x fp32 on every step
-  shape and keeps the KV cache in fp32.
+  /proc/cpuinfo): bfloat16 weights, no quantization: bf16 steps there run 1.1-2.7x as fast as fp32's
+  and keep the KV cache in fp32.
 - Any other checkpoint on any other CPU (AVX2, AVX-512 without BF16): fp32, exact to the file;
   bf16 has no native matmul there.
 

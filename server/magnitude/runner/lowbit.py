@@ -54,7 +54,7 @@ class LowbitKernels:
     """The loaded library. Every tensor argument is CPU, contiguous, in the dtype named."""
 
     lib: ctypes.CDLL
-    isa: str  # "avx2" or "generic": which code path the build took
+    isa: str  # "avx512", "avx2" or "generic": which code path the build took
     path: Path
 
     @property

@@ -223,7 +223,7 @@ typedef __m256 vecf;
 #define VLANES (32 / VECS)
 
 /* Channels [n0, n1) for exactly M activation rows, NB channels at a time. Every row's sum is
-   formed in the same order whatever M and NB are (one accumulator, the group's four vectors in
+   formed in the same order whatever M and NB are (one accumulator, the group's VECS vectors in
    turn), so a row's result does not depend on which rows share its batch; NB independent channels
    keep the FMA units busy when M is small. */
 #define DEFINE_PASS(NAME, M, NB, DECODE, SCALE_END)                                                \
