@@ -31,15 +31,20 @@ def native() -> lowbit.LowbitKernels:
     return k
 
 
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory: pytest.TempPathFactory) -> lowbit.LowbitKernels:
+def _build_with(tmp_path_factory: pytest.TempPathFactory, flags: tuple[str, ...], isa: str) -> lowbit.LowbitKernels:
+    """The kernels built with `flags` into a fresh directory; the build must take the `isa` path."""
     try:
-        path = lowbit.build(tmp_path_factory.mktemp("portable"), flags=PORTABLE_FLAGS)
+        path = lowbit.build(tmp_path_factory.mktemp(isa), flags=flags)
     except lowbit.LowbitKernelError as e:
         pytest.skip(str(e))
     k = lowbit.load(path)
-    assert k.isa == "generic"
+    assert k.isa == isa
     return k
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory: pytest.TempPathFactory) -> lowbit.LowbitKernels:
+    return _build_with(tmp_path_factory, PORTABLE_FLAGS, "generic")
 
 
 # The 8-lane AVX2 build on a CPU whose native build is AVX-512 (on an AVX2-only CPU, the native
@@ -51,13 +56,7 @@ AVX2_FLAGS = ("-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-f
 def avx2(tmp_path_factory: pytest.TempPathFactory) -> lowbit.LowbitKernels:
     if "avx2" not in cpu_flags():
         pytest.skip("this CPU has no AVX2")
-    try:
-        path = lowbit.build(tmp_path_factory.mktemp("avx2"), flags=AVX2_FLAGS)
-    except lowbit.LowbitKernelError as e:
-        pytest.skip(str(e))
-    k = lowbit.load(path)
-    assert k.isa == "avx2"
-    return k
+    return _build_with(tmp_path_factory, AVX2_FLAGS, "avx2")
 
 
 @pytest.fixture(params=["native", "avx2", "portable"])
