@@ -1,7 +1,8 @@
 """`kvCache.memoryFraction` sizes the KV pool on the CPU too (host memory within the container's
 cgroup limit), a fraction that leaves no room is refused by name, and the CPU pool is zeroed
 without writing every page at start, costs memory only for the blocks written (in small pages,
-not 2 MiB huge pages per layer), and gives its pages back after the start-up measurements."""
+not 2 MiB huge pages per layer), gives its pages back after the start-up measurements, and writes
+the blocks a measurement reads before it reads them."""
 
 from __future__ import annotations
 
@@ -115,6 +116,38 @@ def test_release_pages_gives_the_pool_back_as_zeros():
     assert not pool.device_cache.any() and not pool.host_cache.any()
     pool.k_layers[1][17].fill_(1.0)  # still the same memory behind the layer views
     assert pool.device_cache[1, 0, 1, 1].all() and pool.device_cache.count_nonzero() == 2 * 16
+
+
+def rss_anon() -> int:
+    """The process's anonymous resident bytes: pages of its own, which the shared zero page is not."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_materialized_blocks_are_memory_of_their_own():
+    """Read before any write, a CPU pool page maps the kernel's one shared zero page (mincore calls it
+    resident, but it is no memory of the process's own and every read of it hits the cache: the
+    calibration once timed long contexts as nearly free that way). `materialize_blocks(n)` writes the
+    first n blocks, which then cost their own bytes, still read as zeros, and go back with
+    `release_pages`."""
+    shape = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)  # SmolLM2's
+    pool = PagedKVPool(shape, 256, 0, torch.device("cpu"))
+    n = 96
+    size = n * shape.bytes_per_block  # 67.5 MiB
+    before = rss_anon()
+    assert float(pool.device_cache[:, :, :n].sum()) == 0.0  # every page read: the zero page
+    read = rss_anon()
+    pool.materialize_blocks(n)
+    written = rss_anon()
+    assert read - before < 0.1 * size
+    assert abs((written - read) - size) < 0.1 * size
+    assert not pool.device_cache.any()
+    pool.materialize_blocks(10 * pool.num_blocks)  # at most the pool
+    assert abs((rss_anon() - read) - pool.num_blocks * shape.bytes_per_block) < 0.1 * size
+    pool.release_pages()
+    assert rss_anon() - read < 0.1 * size
 
 
 @pytest.mark.model

@@ -83,3 +83,41 @@ def test_the_engines_third_pass_runs_only_where_the_first_two_disagree():
     every = _ScriptedRunner(script)
     doc = profile_runner(every, [0, 1], [0, 16], context=20, repeats=3, attention=False)
     assert every.ran == {(1, 0): 3, (0, 16): 3, (1, 16): 3} and doc["seconds"][1][1] == pytest.approx(0.051)
+
+
+class _PoolReadingRunner:
+    """Records the pool blocks each step reads (a sequence's context: its blocks before its first
+    new token) and the blocks written for measurements (`materialize_kv_blocks`)."""
+
+    block_size, num_blocks, num_swap_blocks, max_model_len = 16, 4096, 0, 8192
+    model_name, device, dtype, quantization = "reading", "cpu", "float32", "none"
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.most_read = 0
+
+    def materialize_kv_blocks(self, n: int) -> None:
+        self.written = max(self.written, n)
+
+    def execute(self, plan):
+        from types import SimpleNamespace
+
+        for s in plan.seqs:
+            context_blocks = s.block_table[:-(-s.start_position // self.block_size)] if s.start_position else []
+            if context_blocks:
+                assert max(context_blocks) < self.written, f"{s.request_id} reads block {max(context_blocks)} unwritten"
+                self.most_read = max(self.most_read, max(context_blocks) + 1)
+        return SimpleNamespace(duration_s=0.01 + 1e-6 * plan.attention_load().contexts + 1e-5 * plan.num_tokens)
+
+
+def test_calibration_reads_only_blocks_it_wrote_and_writes_no_more_than_it_reads():
+    """Unwritten CPU pool pages read as the kernel's cached zero page, which times any context as free:
+    the start-up grid and the attention figures write what they read first (and only about that:
+    the written pages are memory the process holds while it measures)."""
+    from magnitude.runner.calibration import CALIBRATION_CONTEXT, CALIBRATION_DECODES, CALIBRATION_PREFILLS
+
+    runner = _PoolReadingRunner()
+    doc = profile_runner(runner, list(CALIBRATION_DECODES), list(CALIBRATION_PREFILLS), CALIBRATION_CONTEXT, repeats=1)
+    assert runner.most_read > 0
+    assert runner.written <= runner.most_read + 20  # the grid's prefill blocks besides the contexts read
+    assert doc["per_decode_context_token"] == pytest.approx(1e-6)

@@ -5,7 +5,8 @@ one context length and the prefill chunk from position 0, so it cannot tell a de
 token document from one of a 200-token chat, nor a chunk deep into a long prompt from the first
 one. `measure_attention` times the same real steps at two context lengths: `decodes` decodes at
 `context` (the table's) and at a far context (FAR_FACTOR x, as far as the KV pool and the model's
-context allow), and a prefill chunk of `chunk` tokens starting at 0 and ending at the far context.
+context allow), and a prefill chunk of `chunk` tokens starting at 0 and ending at the far context,
+over pool blocks written first (`materialize`), as a request's are.
 Near and far run back to back, after one unmeasured run each, and a slope is the median of the
 paired differences (at least MIN_REPEATS pairs): a burst of other processes' load then spoils one
 pair, not one side of the slope, and a far context 8x the near one makes the difference several
@@ -30,6 +31,11 @@ from magnitude.engine.sampling import SamplingParams
 
 MIN_REPEATS = 3  # a slope is a difference of two times: one pair is too noisy
 FAR_FACTOR = 8
+# Decodes at the far context: their blocks are written before they are read (see
+# materialize_kv_blocks), so they are memory the process holds while it measures: 8 x 2,048 tokens
+# of SmolLM2's fp32 K/V are 760 MiB, 2 are 190 MiB, and two sequences' difference (about 8 ms with
+# w4a16 on two EPYC cores) is still several times a step's jitter.
+ATTENTION_DECODES = 2
 
 
 
@@ -73,13 +79,24 @@ def _paired_difference(runner: Any, near: StepPlan, far: StepPlan, repeats: int)
     return statistics.median(diffs)
 
 
-def measure_attention(runner: Any, context: int = 256, decodes: int = 8, chunk: int = 128,
+def materialize(runner: Any, blocks: int) -> None:
+    """Have the runner write the pool blocks a measurement will read (runner.materialize_kv_blocks:
+    unwritten CPU pages all read as the kernel's one cached zero page, which would time every
+    context as free). Runners without a pool of their own (the simulated runner, test doubles)
+    have nothing to write."""
+    write = getattr(runner, "materialize_kv_blocks", None)
+    if write is not None:
+        write(blocks)
+
+
+def measure_attention(runner: Any, context: int = 256, decodes: int = ATTENTION_DECODES, chunk: int = 128,
                       repeats: int = 5) -> AttentionFigures:
     bs = runner.block_size
     far = min(FAR_FACTOR * context, runner.num_blocks * bs - 1, getattr(runner, "max_model_len", 1 << 30) - 1)
     if far <= context:  # nothing to compare: no correction
         return AttentionFigures(0.0, 0.0, context)
     d = max(1, min(decodes, runner.num_blocks // _blocks(far, 1, bs)))
+    materialize(runner, d * _blocks(far, 1, bs))
     decode_slope = _paired_difference(runner, _decode_plan(d, context, bs), _decode_plan(d, far, bs),
                                       repeats) / (d * (far - context))
     n = min(chunk, far)

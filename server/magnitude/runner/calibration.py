@@ -2,7 +2,8 @@
 start-up `calibrating` phase, and the cache that lets a restart skip it.
 
 `profile_runner` times real `runner.execute` calls over a grid of (decode batch size, prefill
-tokens): `d` decodes at a fixed context length plus one prefill chunk of `p` tokens, the median
+tokens): `d` decodes at a fixed context length (over pool blocks written first, as a request's
+are) plus one prefill chunk of `p` tokens, the median
 of `repeats` passes over the grid (the engine's third pass only where a cell's first two
 disagree); then the attention figures (runner/attention_cost.py: what a
 decode pays per context token beyond that length, a chunk deep in a long prompt per query-key
@@ -31,7 +32,7 @@ from typing import Any, Callable
 
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
-from magnitude.runner.attention_cost import measure_attention
+from magnitude.runner.attention_cost import materialize, measure_attention
 from magnitude.runner.swap_bandwidth import measure_swap
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,14 @@ ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "8"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+CALIBRATION_VERSION = "9"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
 # 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
 # 7: the fused step attends a chunk's rows together (since then the key also names the low-bit
 # kernels' build, lowbit.describe(), so kernel changes re-measure on their own);
-# 8: the engine's third pass only for cells whose first two disagree (CALIBRATION_AGREEMENT)
+# 8: the engine's third pass only for cells whose first two disagree (CALIBRATION_AGREEMENT);
+# 9: contexts read from written pool pages (attention_cost.materialize), 2 far decodes
 
 ProgressFn = Callable[[float], None]
 
@@ -92,6 +94,7 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
     passes after the second measure only the cells whose times so far differ by more than that
     fraction of the smallest."""
     block_size = runner.block_size
+    materialize(runner, blocks_needed(decodes, prefills, context, block_size))
     runner.execute(_plan(max(decodes), max(prefills), context, block_size, 0))
     cells = [(i, j) for i in range(len(decodes)) for j in range(len(prefills))]
     times: list[list[list[float]]] = [[[] for _ in prefills] for _ in decodes]

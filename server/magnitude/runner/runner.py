@@ -452,6 +452,14 @@ class ModelRunner:
         drafter = self._draft_model()
         return None if drafter is None else drafter.draft_probs(w.seq.request_id, len(w.drafts))
 
+    def materialize_kv_blocks(self, n: int) -> None:
+        """Make blocks 0..n-1 resident (kv_pool.PagedKVPool.materialize_blocks; the draft model's
+        too) before a measurement reads them: the calibration's steps read contexts no request wrote."""
+        self.kv.materialize_blocks(n)
+        drafter = self._draft_model()
+        if drafter is not None:
+            drafter.pool.materialize_blocks(n)
+
     def release_kv_pages(self) -> None:
         """Give back the KV pool's pages once the start-up measurements (warm-up, the quantization
         evaluation, calibration) are done with it: only while no request is in flight, as the
