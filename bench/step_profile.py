@@ -7,7 +7,8 @@ step preparation and the rest (Python/framework overhead, norms, RoPE, embedding
 
 `--compare float32:none,float32:w4a16,bfloat16:none` loads one runner per dtype:quantization (a third
 field picks the low-bit kernels, `float32:w4a16:torch`; runner/lowbit.py) and
-runs their decode steps (every --batches x --contexts; and lone prefill chunks of --prefills tokens) interleaved, one step of each in turn, so a
+runs their decode steps (every --batches x --contexts; and prefill chunks of --prefills tokens, alone
+or as D+N beside D decodes) interleaved, one step of each in turn, so a
 shared host's noise falls on all of them alike; prints median wall and process-CPU ms per step
 and the ratio to the first variant.
 
@@ -155,7 +156,7 @@ def _hf_generate_ms_per_token(runner: ModelRunner, new_tokens: int) -> tuple[flo
 
 
 def compare(variants: list[str], batches: list[int], contexts: list[int], steps: int, threads: int | None,
-            prefills: list[tuple[int, int]]) -> None:
+            prefills: list[tuple[int, int, int]]) -> None:
     from magnitude.runner import lowbit
 
     runners = {}
@@ -168,7 +169,8 @@ def compare(variants: list[str], batches: list[int], contexts: list[int], steps:
         try:
             runners[v] = ModelRunner(dtype=dtype, quantization=quantization or "none", num_threads=threads,
                                      evaluate_quantization=False,
-                                     num_blocks=blocks_needed([max(batches)], [max([1, *(n + start for n, start in prefills)])], max(contexts), 16))
+                                     num_blocks=blocks_needed([max([*batches, *(d for d, _, _ in prefills)])],
+                                                 [max([1, *(n + start for _, n, start in prefills)])], max(contexts), 16))
         finally:
             if previous is None:
                 os.environ.pop(lowbit.KERNEL_ENV, None)
@@ -178,11 +180,12 @@ def compare(variants: list[str], batches: list[int], contexts: list[int], steps:
 
 
 def compare_decoders(dtype: str | None, quantization: str | None, batches: list[int], contexts: list[int], steps: int,
-                     threads: int | None, prefills: list[tuple[int, int]]) -> None:
+                     threads: int | None, prefills: list[tuple[int, int, int]]) -> None:
     """One runner, its steps through transformers' forward, the lean forward and (for a model it
     runs) the fused decode step in turn."""
     runner = ModelRunner(dtype=dtype, quantization=quantization, num_threads=threads, evaluate_quantization=False,
-                         num_blocks=blocks_needed([max(batches)], [max([1, *(n + start for n, start in prefills)])], max(contexts), 16))
+                         num_blocks=blocks_needed([max([*batches, *(d for d, _, _ in prefills)])],
+                                                 [max([1, *(n + start for _, n, start in prefills)])], max(contexts), 16))
     inner = runner.model.model
     forwards = {"transformers": transformers_decoder(inner)}
     family = lean_family(inner)
@@ -204,14 +207,14 @@ def compare_decoders(dtype: str | None, quantization: str | None, batches: list[
 
 
 def _interleaved(variants: dict, batches: list[int], contexts: list[int], steps: int,
-                 prefills: list[tuple[int, int]]) -> None:
+                 prefills: list[tuple[int, int, int]]) -> None:
     """Each cell's steps run one of each variant in turn, so a shared host's noise falls on all alike."""
     import statistics
 
     print(f"interleaved decode steps, median of {steps}; threads {torch.get_num_threads()}, "
           f"ISA {torch.backends.cpu.get_cpu_capability()}; ms wall / ms process CPU (ratio to {next(iter(variants))})")
     print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{v:>30}" for v in variants))
-    cells = [(b, c, 0, 0) for c in contexts for b in batches] + [(0, 0, n, start) for n, start in prefills]
+    cells = [(b, c, 0, 0) for c in contexts for b in batches] + [(d, contexts[0], n, start) for d, n, start in prefills]
     for b, c, n, start in cells:
         plan = _step_plan(b, n, c, start, 16)
         times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
@@ -224,7 +227,8 @@ def _interleaved(variants: dict, batches: list[int], contexts: list[int], steps:
         med = {v: (statistics.median(x[0] for x in t) * 1000, statistics.median(x[1] for x in t) * 1000)
                for v, t in times.items()}
         base = next(iter(med.values()))
-        label = f"{b:5d} {c:5d} " if not n else f"{'prefill ' + str(n) + ('@' + str(start) if start else ''):>11} "
+        chunk = f"prefill {n}" + (f"@{start}" if start else "")
+        label = f"{b:5d} {c:5d} " if not n else f"{(f'{b}+' if b else '') + chunk:>11} "
         print(label + " ".join(
             f"{m[0]:7.1f}/{m[1]:6.1f} ({m[0] / base[0]:4.2f}/{m[1] / base[1]:4.2f})".rjust(30) for m in med.values()),
             flush=True)
@@ -256,12 +260,14 @@ def memory_report(runner: ModelRunner) -> None:
           + "; process " + ", ".join(f"{k} {v} MiB" for k, v in status.items()))
 
 
-def _prefill_cells(spec: str) -> list[tuple[int, int]]:
-    """"64,64@1000" -> [(64, 0), (64, 1000)]: chunk lengths and their first positions."""
+def _prefill_cells(spec: str) -> list[tuple[int, int, int]]:
+    """"64,64@1000,16+48" -> [(0, 64, 0), (0, 64, 1000), (16, 48, 0)]: decodes beside the chunk (at
+    the first --contexts length), chunk lengths and their first positions."""
     cells = []
     for item in filter(None, spec.split(",")):
-        n, _, start = item.partition("@")
-        cells.append((int(n), int(start or 0)))
+        decodes, _, chunk = item.rpartition("+")
+        n, _, start = chunk.partition("@")
+        cells.append((int(decodes or 0), int(n), int(start or 0)))
     return cells
 
 
@@ -282,7 +288,8 @@ def main() -> int:
     p.add_argument("--hf-generate", type=int, default=0, metavar="N",
                    help="also time HF generate of N greedy tokens, one stream, on the same weights")
     p.add_argument("--prefills", default="",
-                   help="--compare: also lone prefill chunks of these lengths (N, or N@S for positions S..S+N)")
+                   help="--compare: also prefill chunks of these lengths (N, or N@S for positions S..S+N), "
+                        "alone or beside D decodes at the first --contexts length (D+N, D+N@S)")
     p.add_argument("--compare", default=None, metavar="DTYPE:QUANT,...",
                    help="interleaved decode steps of several variants (see above)")
     p.add_argument("--compare-decoders", action="store_true",

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from magnitude.runner import lowbit  # noqa: E402
 from magnitude.runner.attention import SeqSlice, build_paged_batch  # noqa: E402
-from magnitude.runner.fused_decode import FUSED_MAX_CHUNK_KEYS, FUSED_MAX_ROWS, fused_decoder, runs_fused  # noqa: E402
+from magnitude.runner.fused_decode import FUSED_MAX_CHUNK_KEYS, FUSED_MAX_CHUNK_ROWS, fused_decoder, runs_fused  # noqa: E402
 from magnitude.runner.paged_decoder import lean_family, lean_forward, paged_decoder  # noqa: E402
 from magnitude.runner.quant_eval import kernel_description  # noqa: E402
 
@@ -226,7 +226,7 @@ def test_a_step_with_a_long_chunk_runs_the_lean_forward_bit_for_bit(tmp_path):
     _native_or_skip()
     runner = _runner(build_tiny_model("llama", tmp_path / "l"), quantization="w4a16")
     inner = runner.model.model
-    seqs = [([0], 5, 1), ([1, 2, 3, 4, 5, 6], 10, FUSED_MAX_ROWS)]  # one row over the limit
+    seqs = [([0], 5, 1), ([1, 2, 3, 4, 5, 6], 10, FUSED_MAX_CHUNK_ROWS + 1)]  # one chunk row over the limit
     gen = torch.Generator().manual_seed(1)
     _prefill(runner, seqs, gen)
     step = _step(runner, seqs, True, gen)
@@ -265,8 +265,8 @@ def test_a_block_id_outside_the_pool_is_refused_before_the_native_call(tmp_path)
 
 
 def test_which_steps_run_fused(tmp_path):
-    """Decodes at any context; chunks while the step has at most FUSED_MAX_ROWS rows and its chunk
-    rows attend to FUSED_MAX_CHUNK_KEYS keys or fewer together."""
+    """Decodes at any context and in any number; chunks while the step has at most
+    FUSED_MAX_CHUNK_ROWS of their rows and they attend to FUSED_MAX_CHUNK_KEYS keys or fewer together."""
     runner = _runner(build_tiny_model("llama", tmp_path / "l"))
 
     def batch(seqs):  # (tokens cached, tokens this step); block tables are not read
@@ -277,8 +277,10 @@ def test_which_steps_run_fused(tmp_path):
         return build_paged_batch(slices, BLOCK, runner.kv.k_layers, runner.kv.v_layers, runner.device)
 
     assert runs_fused(batch([(3000, 1)] * 8))  # decodes only, long contexts
-    assert runs_fused(batch([(100, 1)] * 8 + [(0, FUSED_MAX_ROWS - 8)]))
-    assert not runs_fused(batch([(100, 1)] * 8 + [(0, FUSED_MAX_ROWS - 7)]))  # one row too many
+    assert runs_fused(batch([(100, 1)] * 96))  # more decode rows than a chunk may have
+    assert runs_fused(batch([(100, 1)] * 40 + [(0, FUSED_MAX_CHUNK_ROWS)]))
+    assert not runs_fused(batch([(100, 1)] + [(0, FUSED_MAX_CHUNK_ROWS + 1)]))  # one chunk row too many
+    assert not runs_fused(batch([(0, FUSED_MAX_CHUNK_ROWS // 2), (0, FUSED_MAX_CHUNK_ROWS // 2 + 1)]))  # chunks count together
     # 16 rows at positions s..s+15 attend to 16 * s + 136 keys together.
     deep = (FUSED_MAX_CHUNK_KEYS - 136) // 16
     assert runs_fused(batch([(deep, 16), (5000, 1)]))

@@ -53,14 +53,15 @@ ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "9"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+CALIBRATION_VERSION = "10"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
 # 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
 # 7: the fused step attends a chunk's rows together (since then the key also names the low-bit
 # kernels' build, lowbit.describe(), so kernel changes re-measure on their own);
 # 8: the engine's third pass only for cells whose first two disagree (CALIBRATION_AGREEMENT);
-# 9: contexts read from written pool pages (attention_cost.materialize), 2 far decodes
+# 9: contexts read from written pool pages (attention_cost.materialize), 2 far decodes;
+# 10: the fused step bounds chunk rows only (fused_decode.FUSED_MAX_CHUNK_ROWS): cells of many decodes beside a chunk run fused
 
 ProgressFn = Callable[[float], None]
 

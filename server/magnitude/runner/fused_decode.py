@@ -105,29 +105,37 @@ class _RopeTable:
         return self.cos[index], self.sin[index]
 
 
-# Which steps run fused. Its products beat the lean forward's up to 64 rows, and its attention
-# (a pool block at a time for all of a chunk's rows and a row's heads) beats SDPA on chunks until
-# they attend to many keys in all, where SDPA's block products win. Fused against lean, wall time,
-# two runs on a shared host (`bench/step_profile.py --compare-decoders --quantization w4a16
-# --threads 2 --prefills 16@650,16@1500,16@6000,64,64@1000,64@2000,64@4000`, AVX2 EPYC): chunks of
-# 16 tokens at 650, 1,500 and 6,000 (10k, 24k and 96k keys in all) 0.64x, 0.79x and 0.82x; a lone
-# 64-token chunk 0.73x; 64 tokens at 1,000 (66k) 0.94x and 1.13x, at 2,000 (130k) 0.92x and 1.12x,
-# at 4,000 (260k) 1.40x; decodes at any context 0.3-0.5x. So a step runs fused when it has at most
-# FUSED_MAX_ROWS rows and its prefill rows attend to at most FUSED_MAX_CHUNK_KEYS keys together.
-# The bound is set by the 64-row chunks, so it is conservative for short ones (16 rows at 96k keys
-# still won), and it counts every key before a row's position even under a sliding window.
-FUSED_MAX_ROWS = 64
+# Which steps run fused. Its products beat the lean forward's on chunks of up to 64 rows, and on
+# decode rows at any count; its attention (a pool block at a time for all of a chunk's rows and a
+# row's heads) beats SDPA on chunks until they attend to many keys in all, where SDPA's block
+# products win. Fused against lean, wall time, two runs on a shared host (`bench/step_profile.py
+# --compare-decoders --quantization w4a16 --threads 2 --prefills 16@650,16@1500,16@6000,64,64@1000,64@2000,64@4000`,
+# AVX2 EPYC): chunks of 16 tokens at 650, 1,500 and 6,000 (10k, 24k and 96k keys in all) 0.64x,
+# 0.79x and 0.82x; a lone 64-token chunk 0.73x; 64 tokens at 1,000 (66k) 0.94x and 1.13x, at 2,000
+# (130k) 0.92x and 1.12x, at 4,000 (260k) 1.40x; decodes at any context 0.3-0.5x. On two AVX-512
+# EPYC cores (`--batches 24,64 --contexts 200 --prefills 16+48,32+32,16+64,32+64,48+64,16+128,64+16
+# --steps 9`, D+N: D decodes beside an N-token chunk), fused against lean: 24 and 64 decodes 0.59x
+# and 0.57x, 32+32 0.66x, 16+64 0.78x, 64+16 0.70x, 48+64 0.96x, 32+64 1.03x, 16+48 1.00x, 16+128
+# 1.13x; and chunks alone of 96, 128 and 256 rows 1.27x, 1.39x and 1.35x. So the bound is on a
+# step's chunk rows, not all its rows (it was 64 rows in all, which sent 64+16 and 96 decodes to
+# the lean forward at 1.4x the time, and split the start-up table's cells between the two forwards
+# along d + p = 64, where the cost model's interpolation cannot follow): a step runs fused when its
+# prefill rows are at most FUSED_MAX_CHUNK_ROWS and attend to at most FUSED_MAX_CHUNK_KEYS keys
+# together. The key bound is set by the 64-row chunks, so it is conservative for short ones (16 rows
+# at 96k keys still won), and it counts every key before a row's position even under a sliding window.
+FUSED_MAX_CHUNK_ROWS = 64
 FUSED_MAX_CHUNK_KEYS = 64_000
 
 
 def runs_fused(batch: PagedBatch) -> bool:
-    """Whether the fused forward takes this step (see FUSED_MAX_ROWS); decode rows always qualify."""
+    """Whether the fused forward takes this step (see FUSED_MAX_CHUNK_ROWS); decode rows always qualify."""
     rows = batch.num_tokens
-    if rows > FUSED_MAX_ROWS:
-        return False
     decode_rows = [g.q_index[:, 0] for g in batch.groups if g.q_index.shape[1] == 1]
-    if not rows - sum(len(r) for r in decode_rows):
+    chunk_rows = rows - sum(len(r) for r in decode_rows)
+    if not chunk_rows:
         return True
+    if chunk_rows > FUSED_MAX_CHUNK_ROWS:
+        return False
     keys = int(batch.row_positions.sum()) + rows  # every row attends to its position + 1 keys
     keys -= sum(int(batch.row_positions[r.numpy()].sum()) + len(r) for r in decode_rows)
     return keys <= FUSED_MAX_CHUNK_KEYS
