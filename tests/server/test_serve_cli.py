@@ -81,6 +81,41 @@ def test_sigterm_finishes_in_flight_work_and_exits_0() -> None:
             proc.wait()
 
 
+def test_the_serving_process_freezes_what_loading_left_for_the_garbage_collector() -> None:
+    """A full collection over what loading leaves (torch, transformers, the model: ~445,000 objects
+    for SmolLM2) holds the GIL for ~230 ms, a stall in every stream; `magnitude serve` freezes it
+    once loaded (server/async_engine.py freeze_loaded_heap), and says so."""
+    port = free_port()
+    proc = subprocess.Popen(serve_cmd("--runner", "simulated", "--port", str(port), "--log-level", "info",
+                                      "--set", "kvCache.numBlocks=64"),
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready(url := f"http://127.0.0.1:{port}", proc, 60)
+        assert httpx.post(url + "/v1/completions", json={"model": "simulated", "prompt": "hi", "max_tokens": 4},
+                          timeout=30).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    frozen = [line for line in out.splitlines() if "the garbage collector no longer scans them" in line]
+    assert len(frozen) == 1, out[-2000:]
+    assert int(frozen[0].split("froze the ")[1].split()[0]) > 10_000
+
+
+def test_engines_in_a_test_process_leave_the_garbage_collector_alone() -> None:
+    """Only the serving process freezes: one that starts engines again and again would keep each
+    frozen heap's cycles."""
+    import gc
+
+    from .conftest import serve, sim_config, simulated
+
+    config = sim_config()
+    with serve(simulated(config), config):
+        assert gc.get_freeze_count() == 0
+
+
 def test_real_runner_refuses_a_builtin_cost_model() -> None:
     """The built-in models describe no real hardware: the real runner calibrates, or takes a measured table."""
     r = subprocess.run(serve_cmd("--cost-model", "linear"), env=env(), capture_output=True, text=True, timeout=60)

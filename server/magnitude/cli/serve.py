@@ -371,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine = AsyncEngine(config, load_runner, metrics, request_log=request_log,
-                             cost_model=given_cost, cost_model_document=given_document)
+                             cost_model=given_cost, cost_model_document=given_document, freeze_heap_when_loaded=True)
     except TraceRecordError as exc:
         print(f"magnitude serve: {exc}", file=sys.stderr)
         return 2
