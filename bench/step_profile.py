@@ -155,6 +155,12 @@ def _hf_generate_ms_per_token(runner: ModelRunner, new_tokens: int) -> tuple[flo
     return best * 1000, best_cpu * 1000
 
 
+def _pool_blocks(batches: list[int], contexts: list[int], prefills: list[tuple[int, int, int]]) -> int:
+    """KV blocks for the largest decode batch (alone or beside a chunk) and the longest chunk."""
+    return blocks_needed([max([*batches, *(d for d, _, _ in prefills)])],
+                         [max([1, *(n + start for _, n, start in prefills)])], max(contexts), 16)
+
+
 def compare(variants: list[str], batches: list[int], contexts: list[int], steps: int, threads: int | None,
             prefills: list[tuple[int, int, int]]) -> None:
     from magnitude.runner import lowbit
@@ -169,8 +175,7 @@ def compare(variants: list[str], batches: list[int], contexts: list[int], steps:
         try:
             runners[v] = ModelRunner(dtype=dtype, quantization=quantization or "none", num_threads=threads,
                                      evaluate_quantization=False,
-                                     num_blocks=blocks_needed([max([*batches, *(d for d, _, _ in prefills)])],
-                                                 [max([1, *(n + start for _, n, start in prefills)])], max(contexts), 16))
+                                     num_blocks=_pool_blocks(batches, contexts, prefills))
         finally:
             if previous is None:
                 os.environ.pop(lowbit.KERNEL_ENV, None)
@@ -184,8 +189,7 @@ def compare_decoders(dtype: str | None, quantization: str | None, batches: list[
     """One runner, its steps through transformers' forward, the lean forward and (for a model it
     runs) the fused decode step in turn."""
     runner = ModelRunner(dtype=dtype, quantization=quantization, num_threads=threads, evaluate_quantization=False,
-                         num_blocks=blocks_needed([max([*batches, *(d for d, _, _ in prefills)])],
-                                                 [max([1, *(n + start for _, n, start in prefills)])], max(contexts), 16))
+                         num_blocks=_pool_blocks(batches, contexts, prefills))
     inner = runner.model.model
     forwards = {"transformers": transformers_decoder(inner)}
     family = lean_family(inner)
