@@ -397,3 +397,36 @@ def test_fused_w4a16_siblings_equal_their_own_products():
     assert parent.q_proj(x).shape == (1, 5, 192) and parent.v_proj(y).shape == (1, 3, 64)
     parent.q_proj(x)
     torch.testing.assert_close(parent.k_proj(y), alone[1](y), rtol=1e-6, atol=1e-6)  # not x's slice
+
+
+@pytest.mark.parametrize("make", ["int4", "int8_groups", "int8_channels"])
+def test_a_matrix_is_quantized_in_bounded_row_passes_with_the_codes_of_one_pass(make, monkeypatch):
+    """A tall matrix (an LM head: SmolLM2's 49,152 rows) is quantized QUANTIZE_ROWS_PER_PASS rows
+    at a time, so loading never holds the fp32 temporaries of the whole matrix at once, and the
+    buffers and the grid error are those of one pass over all rows."""
+    from magnitude.runner import quantize
+
+    if make == "int8_groups" and lowbit.kernels() is None:
+        pytest.skip(f"no native build here: {lowbit.describe()}")
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(64, 23)
+
+    def build():
+        if make == "int4":
+            return Int4WeightOnlyLinear(lin)
+        if make == "int8_groups":
+            return Int8GroupLinear(lin, lowbit.kernels())
+        return quantize.WeightOnlyInt8Linear(lin)
+
+    whole = build()
+    seen: list[int] = []
+    passes = quantize.row_passes
+    monkeypatch.setattr(quantize, "QUANTIZE_ROWS_PER_PASS", 5)
+    monkeypatch.setattr(quantize, "row_passes", lambda w: [seen.append(len(r)) or r for r in passes(w)])
+    split = build()
+    assert seen == [5, 5, 5, 5, 3]
+    buffers = dict(whole.named_buffers())
+    assert buffers.keys() == dict(split.named_buffers()).keys()
+    for name, b in split.named_buffers():
+        assert torch.equal(b, buffers[name]), name
+    assert getattr(split, "grid_error", None) == getattr(whole, "grid_error", None)

@@ -224,11 +224,15 @@ class WeightOnlyInt8Linear(nn.Module):
         fp32 activations (`bench/step_profile.py`), so w4a16 asks for it for its head. Magnitude's
         kernel takes fp32 activations, at 2.6 ms for the same head (`bench/lowbit_bench.py`)."""
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / _QMAX
+        def channel_codes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = rows.float()
+            scale = rows.abs().amax(dim=1).clamp(min=1e-12) / _QMAX
+            return torch.round(rows / scale[:, None]).to(torch.int8), scale
+
+        codes, scale = (torch.cat(parts) for parts in zip(*map(channel_codes, row_passes(linear.weight.detach()))))
         self.kernel = lowbit.kernels() if linear.in_features % lowbit.K_MULTIPLE == 0 else None
         # [out, in] contiguous int8: what either kernel takes; the scales in the kernel's dtype.
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8).contiguous())
+        self.register_buffer("qweight", codes.contiguous())
         scale_dtype = torch.float32 if self.kernel is not None else activation_dtype or linear.weight.dtype
         self.register_buffer("weight_scale", scale.to(scale_dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
@@ -274,6 +278,33 @@ def _grid_error(recon: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> fl
     return float((err / scale.clamp(min=1e-30)).where(scale > 0, torch.zeros_like(err)).max())
 
 
+# Rows quantized in one pass. The fp32 temporaries of a pass (the group view's arithmetic, the
+# de-quantization the grid error is measured on) are a few times the rows' own size: SmolLM2's
+# tied LM head (49,152 x 576) in one pass raised the process's peak by ~480 MiB while loading,
+# above everything it holds once loaded (/tmp probe of VmRSS during quantize_linears, stop 30).
+QUANTIZE_ROWS_PER_PASS = 4096
+
+
+def row_passes(w: torch.Tensor) -> list[torch.Tensor]:
+    """w's rows in views of QUANTIZE_ROWS_PER_PASS (the last one shorter)."""
+    return list(w.split(QUANTIZE_ROWS_PER_PASS))
+
+
+def codes_by_rows(w: torch.Tensor, codes_of: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
+                  dequantize: Callable[..., torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], float]:
+    """`codes_of` (int4_codes, int8_group_codes: tensors with a row per output row, the scales
+    second) over QUANTIZE_ROWS_PER_PASS rows of w [N, K] at a time, concatenated, and the grid error
+    (_grid_error) of `dequantize(*codes)` [rows, G, group] against w over all passes: the same codes
+    and the same error as one pass, with the temporaries of one pass only."""
+    passes: list[tuple[torch.Tensor, ...]] = []
+    error = 0.0
+    for rows in row_passes(w):
+        got = codes_of(rows)
+        error = max(error, _grid_error(dequantize(*got), rows, got[1]))
+        passes.append(got)
+    return tuple(torch.cat(parts) for parts in zip(*passes)), error
+
+
 def int8_group_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (codes [N, K] int8, scale [N, K/group] fp32): symmetric round-to-nearest per
     group, w ~ codes * scale with scale = max|w| / 127: GGUF Q8_0's quantizer, so the de-quantization
@@ -302,8 +333,9 @@ class Int8GroupLinear(nn.Module):
         n, k = w.shape
         if k % group:
             raise QuantizationError(f"int8 groups of {group} need input features divisible by {group}; got {k}")
-        codes, scale = int8_group_codes(w, group)
-        self.grid_error = _grid_error(codes.float().reshape(n, k // group, group) * scale[..., None], w, scale)
+        (codes, scale), self.grid_error = codes_by_rows(
+            w, lambda rows: int8_group_codes(rows, group),
+            lambda codes, scale: codes.float().reshape(*scale.shape, group) * scale[..., None])
         self.kernel = kernel
         self.register_buffer("qweight", codes.contiguous())
         self.register_buffer("scales", scale.float().contiguous())
@@ -388,9 +420,9 @@ class Int4WeightOnlyLinear(nn.Module):
             raise ValueError(f"activations {activations!r}: expected fp32 or int8")
         if k % group:
             raise QuantizationError(f"{method} needs input features divisible by {group}; a linear has {k}")
-        codes, scale, lo = int4_codes(w, group)
-        recon = codes.reshape(n, k // group, group).float() * scale[..., None] + lo[..., None]
-        self.grid_error = _grid_error(recon, w, scale)
+        (codes, scale, lo), self.grid_error = codes_by_rows(
+            w, lambda rows: int4_codes(rows, group),
+            lambda codes, scale, lo: codes.reshape(*scale.shape, group).float() * scale[..., None] + lo[..., None])
         self.kernel = lowbit.kernels() if group == lowbit.K_MULTIPLE else None
         if activations == "int8" and self.kernel is None:
             raise _w4a8_unavailable()
