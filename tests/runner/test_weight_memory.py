@@ -76,3 +76,46 @@ def test_only_pages_wholly_inside_the_tensor_are_asked_for(tmp_path):
     assert 0 < drop_pages(a, file_backed_ranges()) < a.numel() * 4
     assert torch.equal(b, torch.full_like(b, 5.0))
     assert drop_pages(a.view(-1, 4)[:, 0], file_backed_ranges()) == 0  # strided view
+
+
+def _gpu_library_clean_kib() -> tuple[int, dict[str, tuple[int, int]]]:
+    """Resident clean (file-backed, unwritten) KiB of the CUDA libraries' mappings, and the readable
+    mappings' ranges by library."""
+    from magnitude.runner.file_pages import GPU_LIBRARY
+
+    total, inside, readable = 0, False, {}
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) >= 6 and bool(GPU_LIBRARY.search(fields[5]))
+            if inside and fields[1].startswith("r"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                name = Path(fields[5]).name
+                if hi - lo > readable.get(name, (0, 0))[1] - readable.get(name, (0, 0))[0]:
+                    readable[name] = (lo, hi)
+        elif inside and fields[0] in ("Private_Clean:", "Shared_Clean:"):
+            total += int(fields[1])
+    return total, readable
+
+
+def test_a_cpu_process_gives_back_the_cuda_libraries_pages_and_still_computes():
+    """torch's CUDA wheel maps CUDA's libraries at import; a CPU runner asks their pages back
+    (`page_out_gpu_libraries`, called by ModelRunner on the CPU), and CPU work is unaffected."""
+    import ctypes
+
+    from magnitude.runner.file_pages import page_out_gpu_libraries
+
+    _, readable = _gpu_library_clean_kib()
+    if not readable:
+        pytest.skip("no CUDA library is mapped (a CPU-only torch build)")
+    lo, hi = max(readable.values(), key=lambda r: r[1] - r[0])
+    ctypes.string_at(lo, min(hi - lo, 8 << 20))  # read: its pages are resident now, whatever ran before
+    before, _ = _gpu_library_clean_kib()
+    asked = page_out_gpu_libraries()
+    after, _ = _gpu_library_clean_kib()
+    print(f"\nCUDA libraries {sorted(readable)}: {before} KiB of clean pages resident, {after} KiB after "
+          f"asking {asked >> 20} MiB back")
+    assert before >= 4096 and asked > 0
+    assert after < before / 4
+    a = torch.arange(12.0).reshape(3, 4)
+    assert torch.equal(a @ a.t(), torch.tensor([[14.0, 38.0, 62.0], [38.0, 126.0, 214.0], [62.0, 214.0, 366.0]]))

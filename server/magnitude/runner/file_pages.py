@@ -1,5 +1,6 @@
-"""Give back the resident pages of the checkpoint that quantized weights no longer read (Linux),
-and the heap's free pages once loading is over (glibc).
+"""Give back the resident pages of the checkpoint that quantized weights no longer read and of
+CUDA libraries a CPU process never runs (Linux), and the heap's free pages once loading is over
+(glibc).
 
 Loading maps the safetensors file privately and every parameter is a view of that mapping, so a
 page stays resident from its first read until the whole mapping goes. Quantizing reads each
@@ -16,6 +17,11 @@ written since it was mapped is private memory and, with no swap, stays. What it 
 process's resident set; the file's pages may stay in the page cache, which the kernel reclaims
 under pressure. Elsewhere than Linux, or on an older kernel, it does nothing.
 
+`page_out_gpu_libraries()`: torch's CUDA wheels map a dozen CUDA libraries at import, whose pages
+the dynamic loader touched (about 150 MiB resident with torch 2.15 + CUDA 13); a runner on the CPU
+never executes them, so it asks for them back the same way (a page read later comes back from the
+file).
+
 `trim_heap()`: loading and converting free hundreds of MiB in allocations glibc keeps in its
 arenas (SmolLM2 w4a16: 92 MiB of the resident set); `malloc_trim(0)` returns their free pages to
 the kernel. Elsewhere than glibc it does nothing.
@@ -27,12 +33,16 @@ import ctypes
 import ctypes.util
 import functools
 import mmap
+import re
 from pathlib import Path
 
 import torch
 
 _MAPS = Path("/proc/self/maps")
 _MADV_PAGEOUT = 21  # Linux 5.4+; not exported by the mmap module on every Python build
+# CUDA's own libraries and torch's CUDA parts, as torch's CUDA wheels ship them (nvidia-* packages).
+GPU_LIBRARY = re.compile(r"/lib(cublas|cudnn|cufft|curand|cusolver|cusparse|cufile|cupti|cudart|nccl|nvJitLink|nvrtc"
+                         r"|nvshmem|nvToolsExt|torch_cuda|c10_cuda)[^/]*\.so[^/]*$")
 
 
 def file_backed_ranges() -> list[tuple[int, int]]:
@@ -99,3 +109,26 @@ def drop_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
     if madvise is None or madvise(start, end - start, _MADV_PAGEOUT) != 0:
         return 0
     return end - start
+
+
+def page_out_gpu_libraries() -> int:
+    """Ask back the resident pages of the CUDA libraries mapped into this process (GPU_LIBRARY), for
+    a process that computes on the CPU only; returns the bytes of the mappings asked for (0 where
+    none is mapped, off Linux, or where the kernel refuses). Nothing is lost: a page read again
+    comes back from its file, a page the loader wrote is private memory and stays."""
+    try:
+        lines = _MAPS.read_text().splitlines()
+    except OSError:
+        return 0
+    madvise = _madvise()
+    if madvise is None:
+        return 0
+    asked = 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and GPU_LIBRARY.search(fields[5].strip()):
+            start, _, end = fields[0].partition("-")
+            lo, hi = int(start, 16), int(end, 16)
+            if madvise(lo, hi - lo, _MADV_PAGEOUT) == 0:
+                asked += hi - lo
+    return asked

@@ -34,7 +34,7 @@ from magnitude.runner import quant_eval
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
 from magnitude.runner.constraints import advance_constraint, advance_through_drafts, can_draft, settle_drafts
 from magnitude.runner.draft_model import DraftModelProposer, kv_shape, load_draft
-from magnitude.runner.file_pages import trim_heap
+from magnitude.runner.file_pages import page_out_gpu_libraries, trim_heap
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.paged_decoder import paged_decoder
@@ -124,6 +124,8 @@ class ModelRunner:
         if quantization not in (None, "none") and device in (None, "", "auto"):
             device = "cpu"  # the int8 kernels are CPU-only: choose the CPU rather than fail on a GPU host
         self.quantization = check_quantization(quantization, pick_device(device))  # before a long load
+        if pick_device(device).type == "cpu":
+            page_out_gpu_libraries()  # torch's CUDA wheel: ~150 MiB resident that this process never runs
         loaded = load_model(source, device, dtype, attn_implementation=ATTN_IMPLEMENTATION, progress=report)
         self.model = loaded.model
         self._decoder = paged_decoder(self.model.model)
