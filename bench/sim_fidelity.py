@@ -6,11 +6,14 @@
 1. `magnitude trace mixed --n N --seed S` (with --burst every arrival is 0: all N at once);
 2. `magnitude serve --record-trace` (the real model on uvicorn) under `bench/loadgen.py` replaying
    the trace: the client-measured report is the engine's figures;
-3. the cost model: the engine's own start-up calibration (`GET /debug/cost-model`, measured in
-   the same process just before the load), or --cost-model FILE (e.g. `magnitude profile` output);
+3. the cost model: the engine's own start-up calibration (`GET /debug/cost-model` after the load:
+   the table measured in the same process just before it, with `meta.servedOverPredicted`, what
+   this run's served steps took against the table, which a replay applies), or --cost-model FILE
+   (e.g. `magnitude profile` output);
 4. `magnitude simulate` of the recorded trace with the cost model (what an operator would replay),
-   the same without the attention terms (the table alone, as before they existed), and the
-   generated trace (arrivals only: no preparation, no prefix groups);
+   the same without the served factor (the calibrated table alone), the same without the attention
+   terms either (as before they existed), and the generated trace (arrivals only: no
+   preparation, no prefix groups);
 5. prints TTFT p50/p99, ITL p50, E2E p50 and throughput for each, and the ratio simulator / engine
    (target 0.85-1.15), with the load average: the machine is shared, so read the ratios, not the
    seconds; then the steps the engine ran (its magnitude_step_duration_seconds histogram: count and
@@ -103,13 +106,14 @@ def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict
             if server.poll() is not None:
                 raise SystemExit(f"magnitude serve exited {server.returncode}")
             time.sleep(0.5)
-        if not cost.exists():
-            r = httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer fidelity"}, timeout=30)
-            r.raise_for_status()
-            cost.write_text(r.text)
+        fetch = not cost.exists()
         real = trace.with_suffix(".real.json")
         subprocess.run([PYTHON, str(ROOT / "bench" / "loadgen.py"), str(trace), "--url", url, "--out", str(real)],
                        env=env, check=True)
+        if fetch:  # after the load: with what this run's served steps took against the table (meta.servedOverPredicted)
+            r = httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer fidelity"}, timeout=30)
+            r.raise_for_status()
+            cost.write_text(r.text)
         report = json.loads(real.read_text())
         report["engine_steps"] = step_totals(httpx.get(url + "/metrics", timeout=30).text)
         return report
@@ -163,8 +167,12 @@ def main() -> int:
     engine_report = serve_and_load(trace, recorded, [*args.serve_arg, *sets], env, cost)
     real = figures(engine_report)
     doc = json.loads(cost.read_text())
+    unscaled_doc = {**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
+                                    if k not in ("servedOverPredicted", "servedSteps")}}
+    unscaled = work / "cost-unscaled.json"
+    unscaled.write_text(json.dumps(unscaled_doc))
     table_only = work / "cost-table-only.json"
-    table_only.write_text(json.dumps({k: v for k, v in doc.items()
+    table_only.write_text(json.dumps({k: v for k, v in unscaled_doc.items()
                                       if k not in ("per_decode_context_token", "per_attention_pair")}))
     rec = load_trace(recorded)
     # The recording's clock starts with the engine; the load generator's with its first request.
@@ -176,6 +184,8 @@ def main() -> int:
     replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(cost), "--json", *sets))
     sims = {
         "recorded": figures(replay),
+        "recorded unscaled": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(unscaled),
+                                                        "--json", *sets))),
         "recorded table-only": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(table_only),
                                                           "--json", *sets))),
         "generated": figures(json.loads(run_cli("simulate", str(trace), "--cost-model", str(cost), "--json", *sets))),

@@ -156,10 +156,45 @@ def test_cost_model_file_derives_the_limits_and_is_served(tmp_path: Path) -> Non
         assert 'magnitude_scheduler_prefill_chunk_tokens{source="derived"} 855.0' in metrics
         assert 'magnitude_scheduler_itl_target_seconds{source="derived"} 0.1' in metrics
         assert httpx.get(url + "/debug/cost-model").status_code == 401
-        assert httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer adm"}).json() == doc
+        # The file, with what served steps took against it so far (none yet).
+        served = {**doc, "meta": {"device": "cpu", "servedOverPredicted": 1.0, "servedSteps": 0}}
+        assert httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer adm"}).json() == served
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_the_engine_learns_what_its_steps_take_and_reports_it_for_replays(tmp_path: Path) -> None:
+    """The simulated runner sleeps twice the table's time (`--time-scale 2`, a stand-in for a host
+    whose served steps run over the calibration): after a few requests GET /debug/cost-model says
+    served steps take about 2x the table, and the document loads as the served model."""
+    from magnitude.sim.cost import ServedCost, cost_model_from_document
+
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps({"kind": "table", "decode_batch_sizes": [1, 64], "prefill_tokens": [1, 1000],
+                                "seconds": [[0.01, 0.11], [0.05, 0.15]]}))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(serve_cmd("--runner", "simulated", "--cost-model", str(cost), "--port", str(port),
+                                      "--time-scale", "2", "--set", "scheduler.itlTargetMs=100"),
+                            env={**env(), "MAGNITUDE_ADMIN_TOKEN": "adm"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(url, proc, 60)
+        for i in range(3):
+            r = httpx.post(url + "/v1/completions", json={"model": "simulated", "prompt": f"hello {i} " * 20,
+                                                          "max_tokens": 12}, timeout=60)
+            assert r.status_code == 200, r.text
+        doc = httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer adm"}).json()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    meta = doc["meta"]
+    print(f"\nserved steps {meta['servedSteps']}: {meta['servedOverPredicted']} x the table")
+    assert meta["servedSteps"] >= 30
+    assert 1.9 <= meta["servedOverPredicted"] <= 3.0
+    model = cost_model_from_document(doc)
+    assert isinstance(model, ServedCost) and model.factor == meta["servedOverPredicted"]
 
 
 def test_unknown_quantization_exits_2() -> None:

@@ -226,6 +226,9 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         if doc is None:
             phase = "the engine is still loading" if not engine.ready else "this engine was started without one"
             raise APIError(404, f"no cost model: {phase}", code="cost_model_unavailable")
+        served = getattr(engine, "served_cost", None)
+        if served is not None:  # what served steps took against the table, for replays (sim/cost.py ServedCost)
+            doc = {**doc, "meta": {**(doc.get("meta") or {}), **served.document_meta()}}
         return doc
 
     @app.get("/debug/decisions", dependencies=[Depends(require_admin)])

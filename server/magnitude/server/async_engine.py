@@ -210,6 +210,10 @@ class AsyncEngine:
         self.cost_model = cost_model  # the step-cost model preemptionMode auto decides by (sim/cost.py)
         # Its document (GET /debug/cost-model); without one given, the runner's calibration supplies both.
         self.cost_model_document = cost_model_document
+        # The cost model scaled to served steps (sim/cost.py ServedCost), learned from every step the
+        # loop serves; None without a model in seconds.
+        self.served_cost: Any = None
+        self.scheduler_cost_model: Any = None  # what the scheduler bounds steps by (sim/cost.py scheduler_cost)
         self.scheduler_limits: Any = None  # sim/cost.py SchedulerLimits: what the scheduler runs with
         # recordTrace: ended requests go to a writer thread as trace lines (server/trace_recorder.py).
         self.trace_recorder: TraceRecorder | None = None
@@ -290,7 +294,7 @@ class AsyncEngine:
                 num_blocks=runner.num_blocks,
                 num_swap_blocks=runner.num_swap_blocks,
                 max_model_len=self.max_model_len,
-                cost_model=self.cost_model,
+                cost_model=self.scheduler_cost_model,
             )
             if self.shed_classes:
                 scheduler.set_shedding(set(self.shed_classes))
@@ -318,14 +322,22 @@ class AsyncEngine:
     def _derive_limits(self, runner: Runner) -> EngineConfig:
         """The config the scheduler runs with: a null tokenBudget / prefillChunkSize derived from the
         cost model (given with --cost-model, else the runner's start-up calibration) and the ITL target;
-        reported on /readyz (`scheduler`) and as magnitude_scheduler_* gauges."""
-        from magnitude.sim.cost import apply_limits, cost_model_from_document, derive_scheduler_limits
+        reported on /readyz (`scheduler`) and as magnitude_scheduler_* gauges. Also the model the
+        scheduler bounds steps by: with itlTargetMs set, the table scaled to what served steps take
+        (ServedCost, learned from every step in after_step)."""
+        from magnitude.sim.cost import (ServedCost, UnitCost, apply_limits, cost_model_from_document,
+                                        derive_scheduler_limits, scheduler_cost)
 
         if self.cost_model_document is None:
             self.cost_model_document = getattr(runner, "cost_model_document", None)
         if self.cost_model is None and self.cost_model_document is not None:
             self.cost_model = cost_model_from_document(self.cost_model_document, "calibrated cost model",
                                                        self.config.kv_cache.block_size)
+        if isinstance(self.cost_model, ServedCost):
+            self.served_cost = self.cost_model  # a document that already carried a served factor
+        elif self.cost_model is not None and not isinstance(self.cost_model, UnitCost):
+            self.served_cost = ServedCost(self.cost_model)
+        self.scheduler_cost_model = scheduler_cost(self.served_cost or self.cost_model, self.config.scheduler)
         limits = derive_scheduler_limits(self.config.scheduler, self.cost_model)
         self.scheduler_limits = limits
         if limits.warning:
@@ -541,6 +553,8 @@ class AsyncEngine:
         sampled = output.sampled if output is not None else {}
         if self.speculation is not None and plan is not None and plan.seqs and output is not None:
             self._observe_speculation(plan, output, stats)
+        if self.served_cost is not None and plan is not None and plan.seqs and output is not None:
+            self.served_cost.observe(self.served_cost.model.step_seconds(plan), stats.duration_s)
         for upd in updates:
             tr = self._tracked.get(upd.request_id)
             if tr is None or tr.done:

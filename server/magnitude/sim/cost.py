@@ -25,6 +25,7 @@ import bisect
 import json
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
@@ -158,6 +159,86 @@ class TableCost:
         return self.seconds_for(*plan_shape(plan, self.block_size), attention=plan.attention_load())
 
 
+# Served steps run dearer than the table: the engine's loop schedules, runs and books each step,
+# and on a CPU the HTTP side shares the cores (steps 10-30% over the table in the server where the
+# same steps alone ran within 3%, bench/results/sim_fidelity.md). The engine learns the ratio
+# from every step it serves: the last SERVED_WINDOW steps' real seconds over their predicted
+# seconds, summed, so the big steps an ITL bound cuts weigh most (the median step of a mixed run is
+# a small decode step: its ratio put a replay's steps 1.10x the table where the run's steps were
+# 1.19x). A step counts at most SERVED_FACTOR_BOUNDS[1] times its prediction (one stall on a shared
+# host must not set the bound for the next few hundred steps), and the ratio stays within the
+# bounds. Steps predicted under SERVED_MIN_PREDICTED_S are not judged: their ratio is the loop's
+# fixed cost over nearly nothing.
+SERVED_WINDOW = 256
+SERVED_FACTOR_BOUNDS = (0.5, 4.0)
+SERVED_MIN_PREDICTED_S = 1e-3
+# Steps observed before the window's ratio replaces the starting factor (1, or a document's): the
+# first steps of a process (first shapes, cold caches) say little about the ones after.
+SERVED_MIN_STEPS = 16
+
+
+class ServedCost:
+    """A cost model in seconds whose predictions are scaled to what served steps take: `factor`
+    (the served window's real over predicted seconds) times the model's. The engine calls `observe(predicted, real)` after each step; a document from
+    `GET /debug/cost-model` carries the factor (`meta.servedOverPredicted`), so the simulator replays
+    with served step times (cost_model_from_document). The table itself (`model`) stays what the
+    calibration measured: limits are derived from it (derive_scheduler_limits)."""
+
+    def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0) -> None:
+        self.model = model
+        self.factor = factor
+        self.steps = steps  # served steps observed, including those the factor was read with
+        self._window: deque[tuple[float, float]] = deque(maxlen=SERVED_WINDOW)  # (predicted, counted real)
+        self._predicted = self._real = 0.0  # the window's sums
+
+    @property
+    def name(self) -> str:
+        return f"{self.model.name} x {self.factor:.3f} served"
+
+    def observe(self, predicted_s: float, real_s: float) -> None:
+        if predicted_s < SERVED_MIN_PREDICTED_S or real_s <= 0.0:
+            return
+        lo, hi = SERVED_FACTOR_BOUNDS
+        if len(self._window) == self._window.maxlen:
+            old_predicted, old_real = self._window[0]
+            self._predicted -= old_predicted
+            self._real -= old_real
+        real_s = min(real_s, hi * predicted_s)
+        self._window.append((predicted_s, real_s))
+        self._predicted += predicted_s
+        self._real += real_s
+        self.steps += 1
+        if len(self._window) >= SERVED_MIN_STEPS:
+            self.factor = min(hi, max(lo, self._real / self._predicted))
+
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
+                    attention: AttentionLoad | None = None) -> float:
+        return self.factor * self.model.seconds_for(decodes, prefill_tokens, swapped_tokens, attention=attention)
+
+    def step_seconds(self, plan: StepPlan) -> float:
+        return self.factor * self.model.step_seconds(plan)
+
+    def document_meta(self) -> dict:
+        """What GET /debug/cost-model adds to the table's `meta`."""
+        return {"servedOverPredicted": round(self.factor, 4), "servedSteps": self.steps}
+
+
+def measured_model(cost: CostModel | None) -> CostModel | None:
+    """The model as measured (a ServedCost's table; any other model itself)."""
+    return cost.model if isinstance(cost, ServedCost) else cost
+
+
+def scheduler_cost(cost: CostModel | None, sp: SchedulerPolicy) -> CostModel | None:
+    """The model the scheduler bounds steps by (engine and simulator alike), for the policy as
+    configured (before apply_limits writes a derived target in): served step times where
+    `itlTargetMs` is set (a promise about real steps), the measured table where the target is
+    derived, because a derived target is itself a table time (the efficient step's), so the served
+    factor would fall on both sides of the bound."""
+    if cost is None or sp.itl_target_ms is not None:
+        return cost
+    return measured_model(cost)
+
+
 # With no `itlTargetMs`, the chunk is the smallest prefill step that keeps this share of the
 # prefill rate (tokens per second) the cost model allows: bigger steps would buy under 10% more
 # throughput with a longer stall for every running stream, smaller ones lose throughput quickly on
@@ -257,6 +338,7 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None) -> Sche
     TYPICAL_DECODES decodes leaves. Explicit values win. When anything is derived, or `itlTargetMs`
     is set, the limits carry the target, and the scheduler bounds each step's total predicted time by it."""
     derive = sp.token_budget is None or sp.prefill_chunk_size is None
+    cost = measured_model(cost)
     if cost is None or isinstance(cost, UnitCost):
         if sp.itl_target_ms is not None:
             raise CostModelError("scheduler.itlTargetMs needs a cost model in seconds (measured, a table or linear), "
@@ -327,7 +409,14 @@ def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: in
     kind = doc.pop("kind", "table" if "seconds" in doc else "linear")
     if kind == "unit" and not set(doc) - {"meta"}:
         return UnitCost()
-    doc.pop("meta", None)
+    meta = doc.pop("meta", None) or {}
+    served = meta.get("servedOverPredicted") if isinstance(meta, dict) else None
+    if served is not None:
+        lo, hi = SERVED_FACTOR_BOUNDS
+        if isinstance(served, bool) or not isinstance(served, (int, float)) or not lo <= served <= hi:
+            raise CostModelError(f"{spec}: meta.servedOverPredicted: expected a number in [{lo}, {hi}], got {served!r}")
+        return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served),
+                          int(meta.get("servedSteps") or 0))
     cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
     if cls is None:
         raise CostModelError(f"{spec}: kind: unknown cost model kind {kind!r} (linear, table)")

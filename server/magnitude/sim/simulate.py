@@ -18,7 +18,7 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
-from magnitude.sim.cost import CostModel, apply_limits, derive_scheduler_limits
+from magnitude.sim.cost import CostModel, apply_limits, derive_scheduler_limits, scheduler_cost
 from magnitude.sim.speculation import SpecModel, spec_simulation
 from magnitude.sim.trace import TraceError, TraceRecord, prefix_token_ids
 
@@ -100,9 +100,10 @@ def check_trace(records: list[TraceRecord], config: EngineConfig, source: str = 
 def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostModel, keep_events: bool = True,
              speculation: SpecModel | None = None) -> SimResult:
     """`speculation`: the acceptance and draft cost to simulate a config's draftModel with (sim/speculation.py)."""
+    bound_by = scheduler_cost(cost_model, config.scheduler)
     config = resolve_sim_config(config, cost_model)
     check_trace(records, config)
-    sched = Scheduler(config, cost_model=cost_model)
+    sched = Scheduler(config, cost_model=bound_by)
     spec = spec_simulation(config, cost_model, speculation,
                            {r.id: r.priority_class or config.scheduler.default_priority_class for r in records})
     runner = spec if spec is not None else CostModelRunner(cost_model)

@@ -1,0 +1,87 @@
+"""Served step times (`sim/cost.py ServedCost`): the engine learns what its steps really take
+against the table, an explicit ITL target is then kept on served times, a derived one stays a
+table time, and a document from `GET /debug/cost-model` replays with the served factor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from magnitude.policy.load import resolve_config
+from magnitude.sim.cost import (SERVED_FACTOR_BOUNDS, SERVED_MIN_STEPS, SERVED_WINDOW, CostModelError, ServedCost,
+                                cost_model_from_document, derive_scheduler_limits, scheduler_cost)
+from magnitude.sim.simulate import simulate
+
+# The ITL-bound tests' calibration-shaped table and trace (test modules of tests/sim import as top-level names).
+from test_itl_bound import MEASURED, decoding_steps, documents  # noqa: E402
+
+
+def table_document(**meta) -> dict:
+    doc = {"kind": "table", "decode_batch_sizes": list(MEASURED.decode_batch_sizes),
+           "prefill_tokens": list(MEASURED.prefill_tokens), "seconds": [list(r) for r in MEASURED.seconds]}
+    return {**doc, "meta": meta} if meta else doc
+
+
+def test_the_factor_is_the_recent_steps_real_over_predicted_seconds_within_bounds() -> None:
+    served = ServedCost(MEASURED, 1.3)  # a document's factor holds until SERVED_MIN_STEPS are seen
+    for _ in range(SERVED_MIN_STEPS - 1):
+        served.observe(0.010, 0.010)
+    assert served.factor == 1.3
+    served.observe(0.100, 0.150)  # a big step weighs by its seconds
+    base_predicted, base_real = 0.010 * (SERVED_MIN_STEPS - 1) + 0.100, 0.010 * (SERVED_MIN_STEPS - 1) + 0.150
+    assert served.factor == pytest.approx(base_real / base_predicted)
+    served.observe(1e-5, 1.0)  # a step predicted at nearly nothing is not judged
+    assert served.steps == SERVED_MIN_STEPS and served.factor == pytest.approx(base_real / base_predicted)
+    served.observe(0.010, 5.0)  # a stall counts as at most 4x its prediction
+    assert served.factor == pytest.approx((base_real + 0.040) / (base_predicted + 0.010))
+    for _ in range(SERVED_WINDOW):  # only the last SERVED_WINDOW steps count
+        served.observe(0.010, 0.020)
+    assert served.factor == pytest.approx(2.0)
+    for _ in range(SERVED_WINDOW):
+        served.observe(0.010, 0.001)
+    assert served.factor == SERVED_FACTOR_BOUNDS[0]
+    assert served.seconds_for(4, 64) == pytest.approx(SERVED_FACTOR_BOUNDS[0] * MEASURED.seconds_for(4, 64))
+
+
+def test_limits_are_derived_from_the_measured_table_not_the_served_times() -> None:
+    sp = resolve_config(None, []).scheduler
+    assert derive_scheduler_limits(sp, ServedCost(MEASURED, 2.5)) == derive_scheduler_limits(sp, MEASURED)
+
+
+def test_an_explicit_target_bounds_served_steps_and_a_derived_one_table_steps() -> None:
+    served = ServedCost(MEASURED, 2.0)
+    explicit = resolve_config(None, ["scheduler.itlTargetMs=150"]).scheduler
+    derived = resolve_config(None, []).scheduler
+    assert scheduler_cost(served, explicit) is served
+    assert scheduler_cost(served, derived) is MEASURED
+
+    config = resolve_config(None, ["scheduler.tokenBudget=8192", "scheduler.itlTargetMs=150"])
+    steps = decoding_steps(simulate(documents(), config, served))
+    assert len(steps) > 30
+    # The replay's steps last the served times (the table's x 2): each still within the target.
+    assert max(s.duration for s in steps) <= 0.150 + 1e-9
+    # On the table alone the same target admits steps over half of it, which served would miss.
+    table_steps = decoding_steps(simulate(documents(), config, MEASURED))
+    assert max(s.duration for s in table_steps) > 0.075
+
+
+def test_a_document_with_the_served_factor_replays_served_times(tmp_path) -> None:
+    config = resolve_config(None, [])
+    burst = [r.model_copy(update={"arrival": 0.0}) for r in documents()]  # the same plans at any speed
+    plain = simulate(burst, config, cost_model_from_document(table_document(device="cpu")))
+    served_model = cost_model_from_document(table_document(device="cpu", servedOverPredicted=1.5, servedSteps=400))
+    assert isinstance(served_model, ServedCost) and served_model.steps == 400
+    served = simulate(burst, config, served_model)
+    # A derived target is a table time, so the plans are the same; every step lasts 1.5x.
+    assert [(s.decode, s.prefill) for s in served.steps] == [(s.decode, s.prefill) for s in plain.steps]
+    assert len(served.steps) > 20
+    for a, b in zip(served.steps, plain.steps):
+        assert a.duration == pytest.approx(1.5 * b.duration)
+    assert "served" in served_model.name
+
+
+@pytest.mark.parametrize("bad", [0.1, 10.0, "2", True])
+def test_a_served_factor_out_of_bounds_is_refused_by_name(bad) -> None:
+    with pytest.raises(CostModelError, match="meta.servedOverPredicted"):
+        cost_model_from_document(json.loads(json.dumps(table_document(servedOverPredicted=bad))))
