@@ -214,6 +214,7 @@ class AsyncEngine:
         # loop serves; None without a model in seconds.
         self.served_cost: Any = None
         self.scheduler_cost_model: Any = None  # what the scheduler bounds steps by (sim/cost.py scheduler_cost)
+        self._served_previous: tuple[float, float] | None = None  # the last decoding step: (predicted s, start)
         self.scheduler_limits: Any = None  # sim/cost.py SchedulerLimits: what the scheduler runs with
         # recordTrace: ended requests go to a writer thread as trace lines (server/trace_recorder.py).
         self.trace_recorder: TraceRecorder | None = None
@@ -553,8 +554,8 @@ class AsyncEngine:
         sampled = output.sampled if output is not None else {}
         if self.speculation is not None and plan is not None and plan.seqs and output is not None:
             self._observe_speculation(plan, output, stats)
-        if self.served_cost is not None and plan is not None and plan.seqs and output is not None:
-            self.served_cost.observe(self.served_cost.model.step_seconds(plan), stats.duration_s)
+        if self.served_cost is not None:
+            self._observe_served_step(plan, output, stats)
         for upd in updates:
             tr = self._tracked.get(upd.request_id)
             if tr is None or tr.done:
@@ -568,6 +569,18 @@ class AsyncEngine:
         self._finalize_from_events(events)
         self._queue_positions()
         self._flush()
+
+    def _observe_served_step(self, plan: StepPlan | None, output: RunnerOutput | None, stats: StepStats) -> None:
+        """Judge the previous decoding step against the table: what a running stream waited between
+        two tokens is from that step's start to this one's (the step, the loop's bookkeeping and
+        this thread's output processing after it), when both steps decode (back to back: a
+        decoding step leaves work, so the loop does not idle in between)."""
+        decoding = plan is not None and output is not None and stats.num_decode > 0
+        start = stats.t - stats.duration_s
+        if decoding and self._served_previous is not None:
+            predicted, previous_start = self._served_previous
+            self.served_cost.observe(predicted, start - previous_start)
+        self._served_previous = (self.served_cost.model.step_seconds(plan), start) if decoding else None
 
     def _draft_failed(self) -> bool:
         """Whether the runner's draft model failed at run time (runner/draft_model.py: it drafts no

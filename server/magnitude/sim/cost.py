@@ -162,7 +162,8 @@ class TableCost:
 # Served steps run dearer than the table: the engine's loop schedules, runs and books each step,
 # and on a CPU the HTTP side shares the cores (steps 10-30% over the table in the server where the
 # same steps alone ran within 3%, bench/results/sim_fidelity.md). The engine learns the ratio
-# from every step it serves: the last SERVED_WINDOW steps' real seconds over their predicted
+# from the steps it serves (what a running stream waits between two tokens: from one decoding
+# step's start to the next's): the last SERVED_WINDOW steps' real seconds over their predicted
 # seconds, summed, so the big steps an ITL bound cuts weigh most (the median step of a mixed run is
 # a small decode step: its ratio put a replay's steps 1.10x the table where the run's steps were
 # 1.19x). A step counts at most SERVED_FACTOR_BOUNDS[1] times its prediction (one stall on a shared
