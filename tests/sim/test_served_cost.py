@@ -85,3 +85,8 @@ def test_a_document_with_the_served_factor_replays_served_times(tmp_path) -> Non
 def test_a_served_factor_out_of_bounds_is_refused_by_name(bad) -> None:
     with pytest.raises(CostModelError, match="meta.servedOverPredicted"):
         cost_model_from_document(json.loads(json.dumps(table_document(servedOverPredicted=bad))))
+
+
+def test_a_served_step_count_that_is_not_a_count_is_refused_by_name() -> None:
+    with pytest.raises(CostModelError, match="meta.servedSteps"):
+        cost_model_from_document(table_document(servedOverPredicted=1.2, servedSteps="many"))

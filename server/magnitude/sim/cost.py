@@ -165,8 +165,8 @@ class TableCost:
 # from the steps it serves (what a running stream waits between two tokens: from one decoding
 # step's start to the next's): the last SERVED_WINDOW steps' real seconds over their predicted
 # seconds, summed, so the big steps an ITL bound cuts weigh most (the median step of a mixed run is
-# a small decode step: its ratio put a replay's steps 1.10x the table where the run's steps were
-# 1.19x). A step counts at most SERVED_FACTOR_BOUNDS[1] times its prediction (one stall on a shared
+# a small decode step: the median ratio put a replay's steps at 1.10x the table where the run's
+# were 1.30x). A step counts at most SERVED_FACTOR_BOUNDS[1] times its prediction (one stall on a shared
 # host must not set the bound for the next few hundred steps), and the ratio stays within the
 # bounds. Steps predicted under SERVED_MIN_PREDICTED_S are not judged: their ratio is the loop's
 # fixed cost over nearly nothing.
@@ -180,10 +180,11 @@ SERVED_MIN_STEPS = 16
 
 class ServedCost:
     """A cost model in seconds whose predictions are scaled to what served steps take: `factor`
-    (the served window's real over predicted seconds) times the model's. The engine calls `observe(predicted, real)` after each step; a document from
-    `GET /debug/cost-model` carries the factor (`meta.servedOverPredicted`), so the simulator replays
-    with served step times (cost_model_from_document). The table itself (`model`) stays what the
-    calibration measured: limits are derived from it (derive_scheduler_limits)."""
+    (the served window's real over predicted seconds) times the model's. The engine calls
+    `observe(predicted, real)` for each step it serves; a document from `GET /debug/cost-model`
+    carries the factor (`meta.servedOverPredicted`), so the simulator replays with served step
+    times (cost_model_from_document). The table itself (`model`) stays what the calibration
+    measured: limits are derived from it (derive_scheduler_limits)."""
 
     def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0) -> None:
         self.model = model
@@ -416,8 +417,10 @@ def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: in
         lo, hi = SERVED_FACTOR_BOUNDS
         if isinstance(served, bool) or not isinstance(served, (int, float)) or not lo <= served <= hi:
             raise CostModelError(f"{spec}: meta.servedOverPredicted: expected a number in [{lo}, {hi}], got {served!r}")
-        return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served),
-                          int(meta.get("servedSteps") or 0))
+        steps = meta.get("servedSteps", 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise CostModelError(f"{spec}: meta.servedSteps: expected a count, got {steps!r}")
+        return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served), steps)
     cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
     if cls is None:
         raise CostModelError(f"{spec}: kind: unknown cost model kind {kind!r} (linear, table)")
