@@ -1,7 +1,7 @@
 """Derived scheduler defaults against a sweep of hand-set token budgets, on the real model.
 
     .venv/bin/python bench/derived_defaults_bench.py [--dtypes fp32,bf16,int8,w4a16,w8a16] [--budgets 32,48,64,128,256,2048]
-        [--traces mixed,long] [--threads 2] [--out-dir out/bench-derived]
+        [--traces mixed,long] [--threads 2] [--repeats 1] [--out-dir out/bench-derived]
 
 For each dtype, `magnitude serve` runs once with nothing set (tokenBudget and prefillChunkSize null:
 derived from the table it calibrates at start-up, or finds in $MAGNITUDE_CACHE/cost-models, and the
@@ -13,7 +13,12 @@ for calibration. The traces and the streaming client are bench/runner_bench.py's
 (mixed: 24 requests at once; long: chats running when a 1,500-token prompt arrives). Prints, per
 dtype and trace, output tok/s and its ratio to the best of the sweep, TTFT p50, ITL p99 and the
 longest stall inside a chat stream, and the load average before and after (a shared host makes
-every figure noisy: compare within one run).
+every figure noisy: compare within one run). With `--repeats N` every setting runs N times, the
+settings taking turns (derived, then each budget, then again), and each figure is the median of its
+N runs (the stalls: the worst of them), so a slow minute of the host lands on one run of each
+setting rather than on all runs of one; "of best" is the median over turns of the setting's tok/s
+over that turn's best (on a host with 15% CPU steal one setting's tok/s fell from 153 to 112 over
+three turns, which the ratio within a turn cancels).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="32,48,64,128,256,2048")
     p.add_argument("--traces", default="mixed,long")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="runs of each setting, in turns; figures are medians")
     p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-derived"))
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)
@@ -106,12 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         flags = DTYPES[dtype]
         print(f"== {dtype}", flush=True)
-        derived = run_setting(f"{dtype}-derived", flags, [], traces, env, out_dir, None)
-        cost_file = out_dir / f"{dtype}-derived-cost.json"
-        rows = {"derived": derived}
-        for b in budgets:
-            rows[str(b)] = run_setting(f"{dtype}-{b}", flags, [f"scheduler.tokenBudget={b}",
-                                       f"scheduler.prefillChunkSize={b}"], traces, env, out_dir, cost_file)
+        rows: dict[str, list[dict]] = {"derived": []}
+        rows.update({str(b): [] for b in budgets})
+        first_tag = "-1" if args.repeats > 1 else ""
+        cost_file = out_dir / f"{dtype}-derived{first_tag}-cost.json"  # written by the first derived run
+        for rep in range(args.repeats):
+            tag = f"-{rep + 1}" if args.repeats > 1 else ""
+            # The first start calibrates (or reads the host's cached table); the others are given it.
+            rows["derived"].append(run_setting(f"{dtype}-derived{tag}", flags, [], traces, env, out_dir,
+                                               cost_file if rep else None))
+            for b in budgets:
+                rows[str(b)].append(run_setting(f"{dtype}-{b}{tag}", flags, [f"scheduler.tokenBudget={b}",
+                                                f"scheduler.prefillChunkSize={b}"], traces, env, out_dir, cost_file))
         results[dtype] = rows
     results["after"] = load()
     (out_dir / "summary.json").write_text(json.dumps(results, indent=1))
@@ -119,20 +132,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def median_run(runs: list[dict], trace: str) -> dict:
+    """One trace's figures over repeated runs: medians, and the worst stalls."""
+    figures = [r[trace] for r in runs]
+    out = {k: statistics.median(f[k] for f in figures) for k in ("output_tok_s", "ttft_p50", "itl_p99")}
+    for k in ("longest_stall", "chat_longest_stall"):
+        values = [f[k] for f in figures if f.get(k) is not None]
+        out[k] = max(values) if values else None
+    out["runs_tok_s"] = [round(f["output_tok_s"], 1) for f in figures]
+    return out
+
+
+def of_best(rows: dict[str, list[dict]], trace: str) -> dict[str, float]:
+    """Each setting's tok/s over the best setting's in the same turn, the median over turns: a host
+    whose speed drifts (CPU steal) moves a whole turn, which the ratio cancels."""
+    turns = range(min(len(runs) for runs in rows.values()))
+    best = [max(runs[t][trace]["output_tok_s"] or 0.0 for runs in rows.values()) for t in turns]
+    return {name: statistics.median(runs[t][trace]["output_tok_s"] / best[t] for t in turns)
+            for name, runs in rows.items()}
+
+
 def print_table(results: dict, dtypes: list[str], traces: list[str]) -> None:
     print(f"\n{results['before']} -> {results['after']}")
     for dtype in dtypes:
         rows = results[dtype]
-        print(f"\n{dtype}: derived {rows['derived'].get('scheduler')} (calibration {rows['derived'].get('calibration_s')} s)")
+        first = rows["derived"][0]
+        print(f"\n{dtype}: derived {first.get('scheduler')} (calibration {first.get('calibration_s')} s)")
         for trace in traces:
-            best = max(r[trace]["output_tok_s"] or 0 for r in rows.values())
+            med = {name: median_run(runs, trace) for name, runs in rows.items()}
+            ratio = of_best(rows, trace)
             print(f"  {trace:5} {'setting':>8} {'tok/s':>7} {'of best':>7} {'TTFT p50':>9} {'ITL p99':>8} "
-                  f"{'stall':>7} {'chat stall':>10}")
-            for name, r in rows.items():
-                s = r[trace]
-                print(f"  {'':5} {name:>8} {s['output_tok_s']:7.1f} {s['output_tok_s'] / best:7.2f} "
-                      f"{s['ttft_p50']:9.2f} {s['itl_p99']:8.3f} {s['longest_stall']:7.3f} "
-                      f"{s.get('chat_longest_stall') or float('nan'):10.3f}")
+                  f"{'stall':>7} {'chat stall':>10}  runs' tok/s")
+            for name, m in med.items():
+                print(f"  {'':5} {name:>8} {m['output_tok_s']:7.1f} {ratio[name]:7.2f} "
+                      f"{m['ttft_p50']:9.2f} {m['itl_p99']:8.3f} {m['longest_stall']:7.3f} "
+                      f"{m['chat_longest_stall'] or float('nan'):10.3f}  {m['runs_tok_s']}")
 
 
 if __name__ == "__main__":

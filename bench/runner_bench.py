@@ -231,8 +231,14 @@ def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, g
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (started with start_new_session), SIGKILL after 30 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM to the server's process group (started with start_new_session), SIGKILL after 30 s;
+    nothing when the group is gone (a server that exited before it was ready: its error, not this
+    one's, is what the caller reports)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.wait()
+        return
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
