@@ -7,11 +7,12 @@
 2. `magnitude serve --record-trace` (the real model on uvicorn) under `bench/loadgen.py` replaying
    the trace: the client-measured report is the engine's figures;
 3. the cost model: the engine's own start-up calibration (`GET /debug/cost-model` after the load:
-   the table measured in the same process just before it, with `meta.servedOverPredicted`, what
-   this run's served steps took against the table, which a replay applies), or --cost-model FILE
+   the table measured in the same process just before it, with `meta.servedFixedSeconds` and
+   `meta.servedOverPredicted`, the line this run's served steps fitted against the table, which a
+   replay applies), or --cost-model FILE
    (e.g. `magnitude profile` output);
 4. `magnitude simulate` of the recorded trace with the cost model (what an operator would replay),
-   the same without the served factor (the calibrated table alone), the same without the attention
+   the same without the served fit (the calibrated table alone), the same without the attention
    terms either (as before they existed), and the generated trace (arrivals only: no
    preparation, no prefix groups);
 5. prints TTFT p50/p99, ITL p50, E2E p50 and throughput for each, and the ratio simulator / engine
@@ -110,7 +111,7 @@ def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict
         real = trace.with_suffix(".real.json")
         subprocess.run([PYTHON, str(ROOT / "bench" / "loadgen.py"), str(trace), "--url", url, "--out", str(real)],
                        env=env, check=True)
-        if fetch:  # after the load: with what this run's served steps took against the table (meta.servedOverPredicted)
+        if fetch:  # after the load: with the line this run's served steps fitted against the table (meta.served*)
             r = httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer fidelity"}, timeout=30)
             r.raise_for_status()
             cost.write_text(r.text)
@@ -168,7 +169,7 @@ def main() -> int:
     real = figures(engine_report)
     doc = json.loads(cost.read_text())
     unscaled_doc = {**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
-                                    if k not in ("servedOverPredicted", "servedSteps")}}
+                                    if k not in ("servedOverPredicted", "servedFixedSeconds", "servedSteps")}}
     unscaled = work / "cost-unscaled.json"
     unscaled.write_text(json.dumps(unscaled_doc))
     table_only = work / "cost-table-only.json"
@@ -182,24 +183,36 @@ def main() -> int:
                                 "deadline": None if r.deadline is None else r.deadline - shift}) for r in rec]
     write_trace(rec, recorded)
     replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(cost), "--json", *sets))
+    unscaled_replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(unscaled), "--json", *sets))
     sims = {
         "recorded": figures(replay),
-        "recorded unscaled": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(unscaled),
-                                                        "--json", *sets))),
+        "recorded unscaled": figures(unscaled_replay),
         "recorded table-only": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(table_only),
                                                           "--json", *sets))),
         "generated": figures(json.loads(run_cli("simulate", str(trace), "--cost-model", str(cost), "--json", *sets))),
     }
+    meta = doc.get("meta") or {}
+    if meta.get("servedFixedSeconds"):
+        # The peer of the fitted line: the same served time spread as one ratio over the replay's
+        # steps (fixed 0), what the engine kept before it fitted a fixed cost per step.
+        n, seconds = sim_step_totals(unscaled_replay)
+        ratio = min(4.0, max(0.5, meta["servedOverPredicted"] + meta["servedFixedSeconds"] * n / seconds))
+        one_ratio = work / "cost-one-ratio.json"
+        one_ratio.write_text(json.dumps({**doc, "meta": {**meta, "servedOverPredicted": round(ratio, 4),
+                                                         "servedFixedSeconds": 0.0}}))
+        sims[f"recorded one ratio {ratio:.3f}"] = figures(json.loads(run_cli(
+            "simulate", str(recorded), "--cost-model", str(one_ratio), "--json", *sets)))
     load = os.getloadavg()
     print(f"{'burst' if args.burst else 'mixed'} n={args.n} seed={args.seed} time-scale={scale} "
-          f"serve={' '.join(args.serve_arg) or '-'} set={' '.join(args.sets) or '-'} cost={cost}"
+          f"serve={' '.join(args.serve_arg) or '-'} set={' '.join(args.sets) or '-'} cost={cost} "
+          f"served {meta.get('servedFixedSeconds')} s + {meta.get('servedOverPredicted')}x ({meta.get('servedSteps')} steps)"
           f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}  ({work})")
     names = [f"{m}_{p}" for m, p in METRICS] + ["throughput"]
-    print(f"{'':>26}" + "".join(f"{n:>14}" for n in names))
-    print(f"{'engine':>26}" + "".join(f"{real[n]:>14.4f}" for n in names))
+    print(f"{'':>34}" + "".join(f"{n:>14}" for n in names))
+    print(f"{'engine':>34}" + "".join(f"{real[n]:>14.4f}" for n in names))
     for label, sim in sims.items():
-        print(f"{'sim ' + label:>26}" + "".join(f"{sim[n]:>14.4f}" for n in names))
-        print(f"{'ratio sim/engine':>26}" + "".join(
+        print(f"{'sim ' + label:>34}" + "".join(f"{sim[n]:>14.4f}" for n in names))
+        print(f"{'ratio sim/engine':>34}" + "".join(
             f"{(sim[n] / real[n] if real[n] else float('nan')):>14.3f}" for n in names))
     print(f"finished: engine {real['finished']}, " + ", ".join(f"sim {k} {v['finished']}" for k, v in sims.items()))
     # Whether a gap is in the steps' cost or in what they carry: the engine's steps (forward pass plus

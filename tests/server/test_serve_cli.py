@@ -157,7 +157,8 @@ def test_cost_model_file_derives_the_limits_and_is_served(tmp_path: Path) -> Non
         assert 'magnitude_scheduler_itl_target_seconds{source="derived"} 0.1' in metrics
         assert httpx.get(url + "/debug/cost-model").status_code == 401
         # The file, with what served steps took against it so far (none yet).
-        served = {**doc, "meta": {"device": "cpu", "servedOverPredicted": 1.0, "servedSteps": 0}}
+        served = {**doc, "meta": {"device": "cpu", "servedOverPredicted": 1.0, "servedFixedSeconds": 0.0,
+                                  "servedSteps": 0}}
         assert httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer adm"}).json() == served
     finally:
         proc.terminate()
@@ -190,11 +191,13 @@ def test_the_engine_learns_what_its_steps_take_and_reports_it_for_replays(tmp_pa
         proc.terminate()
         proc.wait(timeout=30)
     meta = doc["meta"]
-    print(f"\nserved steps {meta['servedSteps']}: {meta['servedOverPredicted']} x the table")
+    print(f"\nserved steps {meta['servedSteps']}: {meta['servedFixedSeconds']} s + {meta['servedOverPredicted']} x the table")
     assert meta["servedSteps"] >= 30
-    assert 1.9 <= meta["servedOverPredicted"] <= 3.0
+    # Twice the table, plus what the loop and the HTTP side add to each step (a few ms at most).
+    assert 1.9 <= meta["servedOverPredicted"] <= 3.0 and 0.0 <= meta["servedFixedSeconds"] <= 0.01
     model = cost_model_from_document(doc)
     assert isinstance(model, ServedCost) and model.factor == meta["servedOverPredicted"]
+    assert model.fixed_s == meta["servedFixedSeconds"]
 
 
 def test_unknown_quantization_exits_2() -> None:

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import (SERVED_FACTOR_BOUNDS, SERVED_MIN_STEPS, SERVED_WINDOW, CostModelError, ServedCost,
-                                cost_model_from_document, derive_scheduler_limits, scheduler_cost)
+from magnitude.sim.cost import (SERVED_FACTOR_BOUNDS, SERVED_MAX_FIXED_S, SERVED_MIN_STEPS, SERVED_WINDOW,
+                                CostModelError, ServedCost, cost_model_from_document, derive_scheduler_limits,
+                                scheduler_cost)
 from magnitude.sim.simulate import simulate
 
 # The ITL-bound tests' calibration-shaped table and trace (test modules of tests/sim import as top-level names).
@@ -23,25 +24,47 @@ def table_document(**meta) -> dict:
     return {**doc, "meta": meta} if meta else doc
 
 
-def test_the_factor_is_the_recent_steps_real_over_predicted_seconds_within_bounds() -> None:
-    served = ServedCost(MEASURED, 1.3)  # a document's factor holds until SERVED_MIN_STEPS are seen
-    for _ in range(SERVED_MIN_STEPS - 1):
-        served.observe(0.010, 0.010)
-    assert served.factor == 1.3
-    served.observe(0.100, 0.150)  # a big step weighs by its seconds
-    base_predicted, base_real = 0.010 * (SERVED_MIN_STEPS - 1) + 0.100, 0.010 * (SERVED_MIN_STEPS - 1) + 0.150
-    assert served.factor == pytest.approx(base_real / base_predicted)
-    served.observe(1e-5, 1.0)  # a step predicted at nearly nothing is not judged
-    assert served.steps == SERVED_MIN_STEPS and served.factor == pytest.approx(base_real / base_predicted)
-    served.observe(0.010, 5.0)  # a stall counts as at most 4x its prediction
-    assert served.factor == pytest.approx((base_real + 0.040) / (base_predicted + 0.010))
-    for _ in range(SERVED_WINDOW):  # only the last SERVED_WINDOW steps count
+def test_served_steps_are_a_fixed_cost_plus_a_scale_of_the_table() -> None:
+    """The window's least-squares line, real = fixed + scale x predicted: what the engine adds to every
+    step (its loop, and the HTTP side on the same cores), which weighs most on the small ones."""
+    served = ServedCost(MEASURED, 1.3)  # a document's model holds until SERVED_MIN_STEPS are seen
+    sizes = [0.005 + 0.005 * (i % 20) for i in range(SERVED_WINDOW)]  # 5-100 ms, as a mixed trace's steps
+    for p in sizes[:SERVED_MIN_STEPS - 1]:
+        served.observe(p, 0.008 + 1.05 * p)
+    assert (served.factor, served.fixed_s) == (1.3, 0.0)
+    for p in sizes[SERVED_MIN_STEPS - 1:]:
+        served.observe(p, 0.008 + 1.05 * p)
+    assert served.fixed_s == pytest.approx(0.008) and served.factor == pytest.approx(1.05)
+    assert served.seconds_for(4, 64) == pytest.approx(0.008 + 1.05 * MEASURED.seconds_for(4, 64))
+    assert "1.050 + 8.0 ms served" in served.name
+    # A step predicted at nearly nothing is not judged; a stall counts as at most the bounds allow.
+    served.observe(1e-5, 1.0)
+    assert served.steps == SERVED_WINDOW
+    stalled = ServedCost(MEASURED)
+    for _ in range(SERVED_MIN_STEPS):
+        stalled.observe(0.010, 5.0)
+    assert stalled.fixed_s == 0.0 and stalled.factor == SERVED_FACTOR_BOUNDS[1]
+
+
+def test_the_ratio_where_a_line_says_nothing() -> None:
+    # Steps of one size: no slope to fit, the summed ratio (only the last SERVED_WINDOW steps count).
+    served = ServedCost(MEASURED)
+    for _ in range(SERVED_WINDOW):
+        served.observe(0.010, 0.050)
+    for _ in range(SERVED_WINDOW):
         served.observe(0.010, 0.020)
-    assert served.factor == pytest.approx(2.0)
+    assert (served.fixed_s, served.factor) == (0.0, pytest.approx(2.0))
+    # A line that would give steps a negative fixed cost: the ratio, so a small step is never free.
+    for p in (0.010, 0.100) * (SERVED_WINDOW // 2):
+        served.observe(p, 1.5 * p - 0.002)
+    assert served.fixed_s == 0.0 and served.factor == pytest.approx((1.5 * 0.110 - 0.004) / 0.110)
+    # The scale stays within its bounds, the fixed cost within its own.
     for _ in range(SERVED_WINDOW):
         served.observe(0.010, 0.001)
-    assert served.factor == SERVED_FACTOR_BOUNDS[0]
-    assert served.seconds_for(4, 64) == pytest.approx(SERVED_FACTOR_BOUNDS[0] * MEASURED.seconds_for(4, 64))
+    assert (served.fixed_s, served.factor) == (0.0, SERVED_FACTOR_BOUNDS[0])
+    for p in (0.010, 0.020) * (SERVED_WINDOW // 2):
+        served.observe(p, 0.045 + 0.2 * p)
+    assert served.factor == SERVED_FACTOR_BOUNDS[0] and 0.0 < served.fixed_s <= SERVED_MAX_FIXED_S
 
 
 def test_limits_are_derived_from_the_measured_table_not_the_served_times() -> None:
@@ -70,15 +93,19 @@ def test_a_document_with_the_served_factor_replays_served_times(tmp_path) -> Non
     config = resolve_config(None, [])
     burst = [r.model_copy(update={"arrival": 0.0}) for r in documents()]  # the same plans at any speed
     plain = simulate(burst, config, cost_model_from_document(table_document(device="cpu")))
-    served_model = cost_model_from_document(table_document(device="cpu", servedOverPredicted=1.5, servedSteps=400))
+    served_model = cost_model_from_document(table_document(device="cpu", servedOverPredicted=1.5,
+                                                           servedFixedSeconds=0.004, servedSteps=400))
     assert isinstance(served_model, ServedCost) and served_model.steps == 400
+    assert served_model.document_meta() == {"servedOverPredicted": 1.5, "servedFixedSeconds": 0.004, "servedSteps": 400}
     served = simulate(burst, config, served_model)
-    # A derived target is a table time, so the plans are the same; every step lasts 1.5x.
+    # A derived target is a table time, so the plans are the same; every step lasts 4 ms + 1.5x.
     assert [(s.decode, s.prefill) for s in served.steps] == [(s.decode, s.prefill) for s in plain.steps]
     assert len(served.steps) > 20
     for a, b in zip(served.steps, plain.steps):
-        assert a.duration == pytest.approx(1.5 * b.duration)
+        assert a.duration == pytest.approx(0.004 + 1.5 * b.duration)
     assert "served" in served_model.name
+    # A document from before the fixed cost was fitted: the ratio alone.
+    assert cost_model_from_document(table_document(servedOverPredicted=1.5)).fixed_s == 0.0
 
 
 @pytest.mark.parametrize("bad", [0.1, 10.0, "2", True])
@@ -90,3 +117,9 @@ def test_a_served_factor_out_of_bounds_is_refused_by_name(bad) -> None:
 def test_a_served_step_count_that_is_not_a_count_is_refused_by_name() -> None:
     with pytest.raises(CostModelError, match="meta.servedSteps"):
         cost_model_from_document(table_document(servedOverPredicted=1.2, servedSteps="many"))
+
+
+@pytest.mark.parametrize("bad", [-0.001, 0.5, "0.01", True])
+def test_a_served_fixed_cost_out_of_bounds_is_refused_by_name(bad) -> None:
+    with pytest.raises(CostModelError, match="meta.servedFixedSeconds"):
+        cost_model_from_document(json.loads(json.dumps(table_document(servedOverPredicted=1.2, servedFixedSeconds=bad))))

@@ -210,7 +210,7 @@ class AsyncEngine:
         self.cost_model = cost_model  # the step-cost model preemptionMode auto decides by (sim/cost.py)
         # Its document (GET /debug/cost-model); without one given, the runner's calibration supplies both.
         self.cost_model_document = cost_model_document
-        # The cost model scaled to served steps (sim/cost.py ServedCost), learned from every step the
+        # The cost model fitted to served steps (sim/cost.py ServedCost), learned from every step the
         # loop serves; None without a model in seconds.
         self.served_cost: Any = None
         self.scheduler_cost_model: Any = None  # what the scheduler bounds steps by (sim/cost.py scheduler_cost)
@@ -335,7 +335,7 @@ class AsyncEngine:
             self.cost_model = cost_model_from_document(self.cost_model_document, "calibrated cost model",
                                                        self.config.kv_cache.block_size)
         if isinstance(self.cost_model, ServedCost):
-            self.served_cost = self.cost_model  # a document that already carried a served factor
+            self.served_cost = self.cost_model  # a document that already carried a served fit
         elif self.cost_model is not None and not isinstance(self.cost_model, UnitCost):
             self.served_cost = ServedCost(self.cost_model)
         self.scheduler_cost_model = scheduler_cost(self.served_cost or self.cost_model, self.config.scheduler)

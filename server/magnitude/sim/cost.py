@@ -160,69 +160,102 @@ class TableCost:
 
 
 # Served steps run dearer than the table: the engine's loop schedules, runs and books each step,
-# and on a CPU the HTTP side shares the cores (steps 10-30% over the table in the server where the
-# same steps alone ran within 3%, bench/results/sim_fidelity.md). The engine learns the ratio
-# from the steps it serves (what a running stream waits between two tokens: from one decoding
-# step's start to the next's): the last SERVED_WINDOW steps' real seconds over their predicted
-# seconds, summed, so the big steps an ITL bound cuts weigh most (the median step of a mixed run is
-# a small decode step: the median ratio put a replay's steps at 1.10x the table where the run's
-# were 1.30x). A step counts at most SERVED_FACTOR_BOUNDS[1] times its prediction (one stall on a shared
-# host must not set the bound for the next few hundred steps), and the ratio stays within the
-# bounds. Steps predicted under SERVED_MIN_PREDICTED_S are not judged: their ratio is the loop's
-# fixed cost over nearly nothing.
+# and on a CPU the HTTP side and the clients share the cores (steps 10-30% over the table in the
+# server where the same steps alone ran within 3%, bench/results/sim_fidelity.md). What they add is
+# mostly a fixed cost per step, not a share of it: over a mixed trace on two EPYC cores (w4a16) the
+# steps predicted under 10 ms ran 1.69x the table, those of 30-40 ms 1.23x and those of 70-100 ms
+# 1.0x; one line, 8.6 ms + 0.954x the prediction, left 7.1 ms of scatter where a single ratio (1.19x)
+# left 8.7 ms (bench/results/sim_fidelity.md, 2026-12-03). So the engine fits
+# real = fixed + scale x predicted over the last SERVED_WINDOW steps it serves (what a running stream
+# waits between two tokens: from one decoding step's start to the next's), least squares, so the
+# big steps an ITL bound cuts weigh by their seconds. Where the window's predictions hardly differ
+# (their spread under SERVED_MIN_SPREAD of their mean) a line through them says nothing about its
+# slope, and the model is the ratio of the summed seconds (fixed 0); a fit with a negative fixed
+# cost is the ratio too. The scale stays within SERVED_FACTOR_BOUNDS and the fixed cost within
+# [0, SERVED_MAX_FIXED_S]. A step counts at most SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] times
+# its prediction (one stall on a shared host must not set the bound for the next few hundred
+# steps). Steps predicted under SERVED_MIN_PREDICTED_S are not judged.
 SERVED_WINDOW = 256
 SERVED_FACTOR_BOUNDS = (0.5, 4.0)
+SERVED_MAX_FIXED_S = 0.05
+SERVED_MIN_SPREAD = 0.25
 SERVED_MIN_PREDICTED_S = 1e-3
-# Steps observed before the window's ratio replaces the starting factor (1, or a document's): the
-# first steps of a process (first shapes, cold caches) say little about the ones after.
+# Steps observed before the window's fit replaces the starting model (1x and 0 s, or a document's):
+# the first steps of a process (first shapes, cold caches) say little about the ones after.
 SERVED_MIN_STEPS = 16
 
 
 class ServedCost:
-    """A cost model in seconds whose predictions are scaled to what served steps take: `factor`
-    (the served window's real over predicted seconds) times the model's. The engine calls
-    `observe(predicted, real)` for each step it serves; a document from `GET /debug/cost-model`
-    carries the factor (`meta.servedOverPredicted`), so the simulator replays with served step
-    times (cost_model_from_document). The table itself (`model`) stays what the calibration
+    """A cost model in seconds whose predictions are what served steps take: `fixed_s` plus `factor`
+    times the model's (for a step that does any work). The engine calls `observe(predicted, real)`
+    for each step it serves; a document from `GET /debug/cost-model` carries both
+    (`meta.servedFixedSeconds`, `meta.servedOverPredicted`), so the simulator replays with served
+    step times (cost_model_from_document). The table itself (`model`) stays what the calibration
     measured: limits are derived from it (derive_scheduler_limits)."""
 
-    def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0) -> None:
+    def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0) -> None:
         self.model = model
         self.factor = factor
-        self.steps = steps  # served steps observed, including those the factor was read with
+        self.fixed_s = fixed_s
+        self.steps = steps  # served steps observed, including those the model was read with
         self._window: deque[tuple[float, float]] = deque(maxlen=SERVED_WINDOW)  # (predicted, counted real)
-        self._predicted = self._real = 0.0  # the window's sums
+        # The window's sums of p, r, p*p and p*r (p predicted, r real).
+        self._sp = self._sr = self._spp = self._spr = 0.0
 
     @property
     def name(self) -> str:
-        return f"{self.model.name} x {self.factor:.3f} served"
+        return f"{self.model.name} x {self.factor:.3f} + {self.fixed_s * 1000:.1f} ms served"
 
     def observe(self, predicted_s: float, real_s: float) -> None:
         if predicted_s < SERVED_MIN_PREDICTED_S or real_s <= 0.0:
             return
-        lo, hi = SERVED_FACTOR_BOUNDS
         if len(self._window) == self._window.maxlen:
-            old_predicted, old_real = self._window[0]
-            self._predicted -= old_predicted
-            self._real -= old_real
-        real_s = min(real_s, hi * predicted_s)
-        self._window.append((predicted_s, real_s))
-        self._predicted += predicted_s
-        self._real += real_s
+            p, r = self._window[0]
+            self._add(p, r, -1.0)
+        r = min(real_s, SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] * predicted_s)
+        self._window.append((predicted_s, r))
+        self._add(predicted_s, r, 1.0)
         self.steps += 1
         if len(self._window) >= SERVED_MIN_STEPS:
-            self.factor = min(hi, max(lo, self._real / self._predicted))
+            self.fixed_s, self.factor = self._fit()
+
+    def _add(self, p: float, r: float, sign: float) -> None:
+        self._sp += sign * p
+        self._sr += sign * r
+        self._spp += sign * p * p
+        self._spr += sign * p * r
+
+    def _fit(self) -> tuple[float, float]:
+        """(fixed, scale) of the window: the least-squares line, or the summed ratio (see above)."""
+        lo, hi = SERVED_FACTOR_BOUNDS
+        n = len(self._window)
+        mean_p, mean_r = self._sp / n, self._sr / n
+        var_p = max(0.0, self._spp / n - mean_p * mean_p)
+        ratio = (0.0, min(hi, max(lo, self._sr / self._sp)))
+        if var_p <= (SERVED_MIN_SPREAD * mean_p) ** 2:
+            return ratio
+        scale = (self._spr / n - mean_p * mean_r) / var_p
+        fixed = mean_r - scale * mean_p
+        if fixed <= 0.0:
+            return ratio
+        scale = min(hi, max(lo, scale))
+        fixed = min(SERVED_MAX_FIXED_S, max(0.0, mean_r - scale * mean_p))
+        return fixed, scale
+
+    def _served(self, table_s: float) -> float:
+        return self.fixed_s + self.factor * table_s if table_s > 0.0 else table_s
 
     def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
                     attention: AttentionLoad | None = None) -> float:
-        return self.factor * self.model.seconds_for(decodes, prefill_tokens, swapped_tokens, attention=attention)
+        return self._served(self.model.seconds_for(decodes, prefill_tokens, swapped_tokens, attention=attention))
 
     def step_seconds(self, plan: StepPlan) -> float:
-        return self.factor * self.model.step_seconds(plan)
+        return self._served(self.model.step_seconds(plan))
 
     def document_meta(self) -> dict:
         """What GET /debug/cost-model adds to the table's `meta`."""
-        return {"servedOverPredicted": round(self.factor, 4), "servedSteps": self.steps}
+        return {"servedOverPredicted": round(self.factor, 4), "servedFixedSeconds": round(self.fixed_s, 5),
+                "servedSteps": self.steps}
 
 
 def measured_model(cost: CostModel | None) -> CostModel | None:
@@ -420,7 +453,12 @@ def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: in
         steps = meta.get("servedSteps", 0)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise CostModelError(f"{spec}: meta.servedSteps: expected a count, got {steps!r}")
-        return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served), steps)
+        fixed = meta.get("servedFixedSeconds", 0.0)
+        if isinstance(fixed, bool) or not isinstance(fixed, (int, float)) or not 0.0 <= fixed <= SERVED_MAX_FIXED_S:
+            raise CostModelError(f"{spec}: meta.servedFixedSeconds: expected a number in [0, {SERVED_MAX_FIXED_S}], "
+                                 f"got {fixed!r}")
+        return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served), steps,
+                          float(fixed))
     cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
     if cls is None:
         raise CostModelError(f"{spec}: kind: unknown cost model kind {kind!r} (linear, table)")
