@@ -44,6 +44,15 @@ def test_served_steps_are_a_fixed_cost_plus_a_scale_of_the_table() -> None:
     for _ in range(SERVED_MIN_STEPS):
         stalled.observe(0.010, 5.0)
     assert stalled.fixed_s == 0.0 and stalled.factor == SERVED_FACTOR_BOUNDS[1]
+    # One 5 s stall among the line's steps weighs as a step of SERVED_MAX_FIXED_S + 4x its prediction.
+    stall, capped = ServedCost(MEASURED), ServedCost(MEASURED)
+    for p in sizes[:-1]:
+        stall.observe(p, 0.008 + 1.05 * p)
+        capped.observe(p, 0.008 + 1.05 * p)
+    stall.observe(0.050, 5.0)
+    capped.observe(0.050, SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] * 0.050)
+    assert (stall.fixed_s, stall.factor) == (pytest.approx(capped.fixed_s), pytest.approx(capped.factor))
+    assert stall.factor < 1.2
 
 
 def test_the_ratio_where_a_line_says_nothing() -> None:
