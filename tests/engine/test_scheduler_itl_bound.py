@@ -104,3 +104,24 @@ def test_a_last_prompt_token_counts_as_a_decode() -> None:
 def test_a_target_without_a_cost_model_is_refused() -> None:
     with pytest.raises(ValueError, match="itlTargetMs"):
         Scheduler(resolve_config(None, ["kvCache.numBlocks=64", "scheduler.itlTargetMs=100"]))
+
+
+def test_new_limits_shape_the_next_steps_and_keep_the_requests() -> None:
+    """set_limits (the engine's derived limits, derived again from served steps): the next step
+    takes the new target and chunk; requests in flight carry on; bad limits are refused."""
+    s = scheduler("scheduler.tokenBudget=4096", "scheduler.prefillChunkSize=1000", "scheduler.itlTargetMs=100")
+    decoding(s, 4)
+    s.add_request(make_request("p", 500, 4), 1.0)
+    plan = s.schedule(1.0)
+    assert dict((rid, n) for rid, n, _ in shape(plan))["p"] == 70  # 100 ms - 30 ms of decodes
+    s.update_from_output(plan, fake_output(plan), 1.1)
+    s.set_limits(64, 20, 200.0, Affine())
+    plan = s.schedule(1.2)
+    assert dict((rid, n) for rid, n, _ in shape(plan))["p"] == 20  # the new chunk, under the new target
+    assert plan.num_tokens <= 64 and s.token_budget == 64 and s.itl_target_s == 0.2
+    s.update_from_output(plan, fake_output(plan), 1.3)
+    assert s.get_request("p").num_computed_tokens == 90
+    with pytest.raises(ValueError, match="at least 1"):
+        s.set_limits(0, 20, None, Affine())
+    with pytest.raises(ValueError, match="itlTargetMs"):
+        s.set_limits(64, 20, 100.0, None)

@@ -695,6 +695,23 @@ class Scheduler:
             need = req.num_computed_tokens + n + step.lookahead.get(rid, 0)
             assert len(req.block_ids) * bs >= need, f"{rid}: block table too short"
 
+    def set_limits(self, token_budget: int, chunk_size: int, itl_target_ms: float | None,
+                   cost_model: StepCost | None) -> None:
+        """Run the next steps with these limits and bound them on `cost_model` (the engine's derived
+        limits, derived again from served step times). Requests in flight keep their state: a
+        smaller budget or chunk only shapes the steps still to come."""
+        if token_budget < 1 or chunk_size < 1:
+            raise ValueError(f"token budget and chunk must be at least 1, got {token_budget} and {chunk_size}")
+        if itl_target_ms is not None and cost_model is None:
+            raise ValueError("scheduler.itlTargetMs bounds each step on a cost model: pass cost_model")
+        if self.config.scheduler.preemption_mode == "auto" and cost_model is None:
+            raise ValueError("scheduler.preemptionMode auto compares recompute and swap on a cost model: pass cost_model")
+        self.token_budget = token_budget
+        self.chunk_size = min(chunk_size, token_budget)
+        self.itl_target_s = itl_target_ms / 1000.0 if itl_target_ms is not None else None
+        self.cost_model = cost_model
+        self._tenant_caps.clear()  # token shares are of the budget
+
     def set_speculation(self, on: bool) -> None:
         """Turn draft lookahead on or off for the next steps (the `auto` policy's decision)."""
         self.speculating = on
