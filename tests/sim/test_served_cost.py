@@ -1,6 +1,7 @@
 """Served step times (`sim/cost.py ServedCost`): the engine learns what its steps really take
-against the table, an explicit ITL target is then kept on served times, a derived one stays a
-table time, and a document from `GET /debug/cost-model` replays with the served factor."""
+against the table, an explicit ITL target is then kept on served times, derived limits follow the
+served times once enough steps are judged (the table's before), and a document from
+`GET /debug/cost-model` replays with the served factor."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import json
 import pytest
 
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import (SERVED_FACTOR_BOUNDS, SERVED_MAX_FIXED_S, SERVED_MIN_STEPS, SERVED_WINDOW,
-                                CostModelError, ServedCost, cost_model_from_document, derive_scheduler_limits,
+from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MAX_FIXED_S, SERVED_MIN_STEPS,
+                                SERVED_WINDOW, CostModelError, SchedulerLimits, ServedCost, TableCost,
+                                cost_model_from_document, derivation_model, derive_scheduler_limits, limits_moved,
                                 scheduler_cost)
 from magnitude.sim.simulate import simulate
 
@@ -43,7 +45,7 @@ def test_served_steps_are_a_fixed_cost_plus_a_scale_of_the_table() -> None:
     stalled = ServedCost(MEASURED)
     for _ in range(SERVED_MIN_STEPS):
         stalled.observe(0.010, 5.0)
-    assert stalled.fixed_s == 0.0 and stalled.factor == SERVED_FACTOR_BOUNDS[1]
+    assert (stalled.fixed_s, stalled.factor) == (SERVED_MAX_FIXED_S, pytest.approx(SERVED_FACTOR_BOUNDS[1]))
     # One 5 s stall among the line's steps weighs as a step of SERVED_MAX_FIXED_S + 4x its prediction.
     stall, capped = ServedCost(MEASURED), ServedCost(MEASURED)
     for p in sizes[:-1]:
@@ -55,14 +57,23 @@ def test_served_steps_are_a_fixed_cost_plus_a_scale_of_the_table() -> None:
     assert stall.factor < 1.2
 
 
-def test_the_ratio_where_a_line_says_nothing() -> None:
-    # Steps of one size: no slope to fit, the summed ratio (only the last SERVED_WINDOW steps count).
+def test_where_a_line_says_nothing_the_excess_is_a_fixed_cost() -> None:
+    # Steps of one size: no slope to fit; the table's scale, and what they took beyond it a fixed
+    # cost (only the last SERVED_WINDOW steps count), so bigger steps are predicted to amortize it.
     served = ServedCost(MEASURED)
     for _ in range(SERVED_WINDOW):
         served.observe(0.010, 0.050)
     for _ in range(SERVED_WINDOW):
         served.observe(0.010, 0.020)
-    assert (served.fixed_s, served.factor) == (0.0, pytest.approx(2.0))
+    assert (served.fixed_s, served.factor) == (pytest.approx(0.010), pytest.approx(1.0))
+    # Beyond the fixed cost's cap the rest is a scale.
+    for _ in range(SERVED_WINDOW):
+        served.observe(0.010, 0.080)
+    assert (served.fixed_s, served.factor) == (SERVED_MAX_FIXED_S, pytest.approx(3.0))
+    # Steps faster than the table: the ratio, a small step is never free.
+    for _ in range(SERVED_WINDOW):
+        served.observe(0.010, 0.008)
+    assert (served.fixed_s, served.factor) == (0.0, pytest.approx(0.8))
     # A line that would give steps a negative fixed cost: the ratio, so a small step is never free.
     for p in (0.010, 0.100) * (SERVED_WINDOW // 2):
         served.observe(p, 1.5 * p - 0.002)
@@ -76,17 +87,63 @@ def test_the_ratio_where_a_line_says_nothing() -> None:
     assert served.factor == SERVED_FACTOR_BOUNDS[0] and 0.0 < served.fixed_s <= SERVED_MAX_FIXED_S
 
 
-def test_limits_are_derived_from_the_measured_table_not_the_served_times() -> None:
+# A table whose steps cost in proportion to their tokens (1 ms each, decodes and prefill alike), as
+# this CPU's w4a16 table nearly does: no fixed cost, so the smallest step is already efficient.
+_ROWS, _COLS = (0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0)
+PROPORTIONAL = TableCost(decode_batch_sizes=_ROWS, prefill_tokens=_COLS,
+                         seconds=tuple(tuple(max(1e-6, 0.001 * (d + p)) for p in _COLS) for d in _ROWS))
+
+
+def test_limits_follow_served_steps_once_enough_are_judged() -> None:
     sp = resolve_config(None, []).scheduler
-    assert derive_scheduler_limits(sp, ServedCost(MEASURED, 2.5)) == derive_scheduler_limits(sp, MEASURED)
+    table = derive_scheduler_limits(sp, PROPORTIONAL)
+    assert table == SchedulerLimits(24, 16, 24.0, "derived")  # 16 tokens beside 8 decodes
+    # Until SERVED_DERIVE_STEPS served steps are judged, the table (a few steps say little).
+    young = ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS - 1, 0.008)
+    assert derivation_model(young) is PROPORTIONAL and derive_scheduler_limits(sp, young) == table
+    assert scheduler_cost(young, sp) is PROPORTIONAL
+    # Then each served step pays 8 ms the table left out: 90% of the prefill rate takes 72+ tokens a
+    # step (the next candidate, 96), and the target is that step beside 8 decodes as served.
+    served = ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS, 0.008)
+    assert derivation_model(served) is served
+    assert derive_scheduler_limits(sp, served) == SchedulerLimits(103, 95, 112.0, "derived")
+    assert scheduler_cost(served, sp) is served  # the bound is in the target's own (served) seconds
+    # A scale alone keeps the step's size and stretches its time.
+    assert derive_scheduler_limits(sp, ServedCost(PROPORTIONAL, 2.0, SERVED_DERIVE_STEPS)) == \
+        SchedulerLimits(24, 16, 48.0, "derived")
+    # Explicit limits stay what they are.
+    fixed = resolve_config(None, ["scheduler.tokenBudget=64", "scheduler.prefillChunkSize=32"]).scheduler
+    assert derive_scheduler_limits(fixed, served) == SchedulerLimits(64, 32, None, "set")
 
 
-def test_an_explicit_target_bounds_served_steps_and_a_derived_one_table_steps() -> None:
+def test_a_replay_of_served_times_derives_from_them_and_keeps_the_derived_target() -> None:
+    doc = {"kind": "table", "decode_batch_sizes": list(_ROWS), "prefill_tokens": list(_COLS),
+           "seconds": [list(r) for r in PROPORTIONAL.seconds],
+           "meta": {"servedOverPredicted": 1.0, "servedFixedSeconds": 0.008, "servedSteps": 600}}
+    result = simulate(documents(), resolve_config(None, []), cost_model_from_document(doc))
+    assert result.config.scheduler.itl_target_ms == 112.0
+    steps = decoding_steps(result)
+    assert len(steps) > 30 and max(s.duration for s in steps) <= 0.112 + 1e-9
+    # The table's limits, run at the served times, miss their own target step after step.
+    doc["meta"]["servedSteps"] = SERVED_DERIVE_STEPS - 1
+    young = simulate(documents(), resolve_config(None, []), cost_model_from_document(doc))
+    assert young.config.scheduler.itl_target_ms == 24.0
+    assert sum(s.duration > 0.024 for s in decoding_steps(young)) > 30
+
+
+def test_derived_limits_move_only_past_the_tolerance() -> None:
+    old = SchedulerLimits(64, 48, 70.0, "derived")
+    assert not limits_moved(old, SchedulerLimits(70, 52, 76.9, "derived"))
+    assert limits_moved(old, SchedulerLimits(64, 48, 77.1, "derived"))
+    assert limits_moved(old, SchedulerLimits(71, 48, 70.0, "derived"))
+    assert limits_moved(old, SchedulerLimits(64, 43, 70.0, "derived"))
+    assert limits_moved(old, SchedulerLimits(64, 48, None, "set"))
+
+
+def test_an_explicit_target_bounds_served_steps() -> None:
     served = ServedCost(MEASURED, 2.0)
     explicit = resolve_config(None, ["scheduler.itlTargetMs=150"]).scheduler
-    derived = resolve_config(None, []).scheduler
     assert scheduler_cost(served, explicit) is served
-    assert scheduler_cost(served, derived) is MEASURED
 
     config = resolve_config(None, ["scheduler.tokenBudget=8192", "scheduler.itlTargetMs=150"])
     steps = decoding_steps(simulate(documents(), config, served))

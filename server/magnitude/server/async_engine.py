@@ -34,6 +34,8 @@ from magnitude.server.protocol import internal_error_message
 from magnitude.server.timeline import RequestLog
 from magnitude.server.tokenization import PromptRenderer
 from magnitude.server.trace_recorder import Ended, TraceRecorder
+from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SchedulerLimits, ServedCost, UnitCost, apply_limits,
+                                cost_model_from_document, derive_scheduler_limits, limits_moved, scheduler_cost)
 
 log = logging.getLogger("magnitude.async_engine")
 
@@ -215,7 +217,8 @@ class AsyncEngine:
         self.served_cost: Any = None
         self.scheduler_cost_model: Any = None  # what the scheduler bounds steps by (sim/cost.py scheduler_cost)
         self._served_previous: tuple[float, float] | None = None  # the last decoding step: (predicted s, start)
-        self.scheduler_limits: Any = None  # sim/cost.py SchedulerLimits: what the scheduler runs with
+        self.scheduler_limits: SchedulerLimits | None = None  # what the scheduler runs with
+        self._derived_at_steps = 0  # served.steps when the limits were last derived
         # recordTrace: ended requests go to a writer thread as trace lines (server/trace_recorder.py).
         self.trace_recorder: TraceRecorder | None = None
         if config.record_trace is not None:
@@ -325,10 +328,8 @@ class AsyncEngine:
         cost model (given with --cost-model, else the runner's start-up calibration) and the ITL target;
         reported on /readyz (`scheduler`) and as magnitude_scheduler_* gauges. Also the model the
         scheduler bounds steps by: with itlTargetMs set, the table scaled to what served steps take
-        (ServedCost, learned from every step in after_step)."""
-        from magnitude.sim.cost import (ServedCost, UnitCost, apply_limits, cost_model_from_document,
-                                        derive_scheduler_limits, scheduler_cost)
-
+        (ServedCost, learned from every step in after_step); with a derived target, the model it was
+        derived from (the table, until _follow_served_steps derives the limits from served steps)."""
         if self.cost_model_document is None:
             self.cost_model_document = getattr(runner, "cost_model_document", None)
         if self.cost_model is None and self.cost_model_document is not None:
@@ -341,6 +342,7 @@ class AsyncEngine:
         self.scheduler_cost_model = scheduler_cost(self.served_cost or self.cost_model, self.config.scheduler)
         limits = derive_scheduler_limits(self.config.scheduler, self.cost_model)
         self.scheduler_limits = limits
+        self._derived_at_steps = self.served_cost.steps if self.served_cost is not None else 0
         if limits.warning:
             log.warning("scheduler: %s", limits.warning)
         self.metrics.set_scheduler_limits(limits.token_budget, limits.prefill_chunk_size, limits.itl_target_ms,
@@ -581,6 +583,31 @@ class AsyncEngine:
             predicted, previous_start = self._served_previous
             self.served_cost.observe(predicted, start - previous_start)
         self._served_previous = (self.served_cost.model.step_seconds(plan), start) if decoding else None
+        if self.served_cost.steps - self._derived_at_steps >= SERVED_DERIVE_STEPS:
+            self._follow_served_steps()
+
+    def _follow_served_steps(self) -> None:
+        """Derived limits follow served step times: every SERVED_DERIVE_STEPS steps judged, null
+        limits are derived again, from the served model (sim/cost.py derivation_model), and the
+        scheduler takes them where the bound's model changes (the table's seconds to served ones)
+        or a limit moves by more than sim/cost.py LIMITS_TOLERANCE. Explicit limits are never touched."""
+        assert self.loop is not None and self.served_cost is not None
+        self._derived_at_steps = self.served_cost.steps
+        old = self.scheduler_limits
+        if old is None or old.source != "derived":
+            return
+        bound = scheduler_cost(self.served_cost, self.config.scheduler)
+        new = derive_scheduler_limits(self.config.scheduler, self.served_cost)
+        scheduler = self.loop.scheduler
+        if bound is scheduler.cost_model and not limits_moved(old, new):
+            return
+        scheduler.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, bound)
+        self.scheduler_cost_model, self.scheduler_limits = bound, new
+        self.metrics.set_scheduler_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, new.source)
+        log.info("scheduler: tokenBudget %d, prefillChunkSize %d, itlTargetMs %s (derived again from %d served "
+                 "steps: %.1f ms + %.3fx the table; were %d, %d, %s)", new.token_budget, new.prefill_chunk_size,
+                 new.itl_target_ms, self.served_cost.steps, self.served_cost.fixed_s * 1000.0,
+                 self.served_cost.factor, old.token_budget, old.prefill_chunk_size, old.itl_target_ms)
 
     def _draft_failed(self) -> bool:
         """Whether the runner's draft model failed at run time (runner/draft_model.py: it drafts no

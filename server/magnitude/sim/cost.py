@@ -170,8 +170,12 @@ class TableCost:
 # waits between two tokens: from one decoding step's start to the next's), least squares, so the
 # big steps an ITL bound cuts weigh by their seconds. Where the window's predictions hardly differ
 # (their spread under SERVED_MIN_SPREAD of their mean) a line through them says nothing about its
-# slope, and the model is the ratio of the summed seconds (fixed 0); a fit with a negative fixed
-# cost is the ratio too. The scale stays within SERVED_FACTOR_BOUNDS and the fixed cost within
+# slope: the scale is then the table's own (1x) and what the steps took beyond it is the fixed cost
+# (what the evidence above says the excess mostly is; a ratio there would keep steps as small as
+# the table derived them, since it stretches every step alike: in the engine w4a16's first steps,
+# all of the table's derived size, fitted 1.3-1.6x and re-derived the same 16-token chunk). Where
+# the steps took less than the table, and where a line's fixed cost comes out negative, the model
+# is the ratio of the summed seconds (fixed 0), so a small step is never free. The scale stays within SERVED_FACTOR_BOUNDS and the fixed cost within
 # [0, SERVED_MAX_FIXED_S]. A step counts at most SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] times
 # its prediction (one stall on a shared host must not set the bound for the next few hundred
 # steps). Steps predicted under SERVED_MIN_PREDICTED_S are not judged.
@@ -183,6 +187,9 @@ SERVED_MIN_PREDICTED_S = 1e-3
 # Steps observed before the window's fit replaces the starting model (1x and 0 s, or a document's):
 # the first steps of a process (first shapes, cold caches) say little about the ones after.
 SERVED_MIN_STEPS = 16
+# Served steps judged before null limits are derived from served step times (derivation_model),
+# and how many more before the engine derives them again (AsyncEngine._follow_served_steps).
+SERVED_DERIVE_STEPS = 64
 
 
 class ServedCost:
@@ -191,7 +198,8 @@ class ServedCost:
     for each step it serves; a document from `GET /debug/cost-model` carries both
     (`meta.servedFixedSeconds`, `meta.servedOverPredicted`), so the simulator replays with served
     step times (cost_model_from_document). The table itself (`model`) stays what the calibration
-    measured: limits are derived from it (derive_scheduler_limits)."""
+    measured; null limits are derived from the served times once SERVED_DERIVE_STEPS steps are
+    judged (derivation_model), from the table before."""
 
     def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0) -> None:
         self.model = model
@@ -226,14 +234,18 @@ class ServedCost:
         self._spr += sign * p * r
 
     def _fit(self) -> tuple[float, float]:
-        """(fixed, scale) of the window: the least-squares line, or the summed ratio (see above)."""
+        """(fixed, scale) of the window: the least-squares line, the excess over the table as a
+        fixed cost, or the summed ratio (see above)."""
         lo, hi = SERVED_FACTOR_BOUNDS
         n = len(self._window)
         mean_p, mean_r = self._sp / n, self._sr / n
         var_p = max(0.0, self._spp / n - mean_p * mean_p)
         ratio = (0.0, min(hi, max(lo, self._sr / self._sp)))
         if var_p <= (SERVED_MIN_SPREAD * mean_p) ** 2:
-            return ratio
+            if mean_r <= mean_p:
+                return ratio
+            fixed = min(SERVED_MAX_FIXED_S, mean_r - mean_p)
+            return fixed, min(hi, (mean_r - fixed) / mean_p)
         scale = (self._spr / n - mean_p * mean_r) / var_p
         fixed = mean_r - scale * mean_p
         if fixed <= 0.0:
@@ -263,15 +275,26 @@ def measured_model(cost: CostModel | None) -> CostModel | None:
     return cost.model if isinstance(cost, ServedCost) else cost
 
 
+def derivation_model(cost: CostModel | None) -> CostModel | None:
+    """The model null limits are derived from: served step times once SERVED_DERIVE_STEPS served
+    steps have been judged (a ServedCost that learned them, or a document that carries them), else
+    the table as measured. A served step pays a fixed cost the calibration's steps did not (on two
+    EPYC cores 8.6 ms a step beside the HTTP side and its clients), so limits from the table alone
+    take steps too small to be efficient as served: w4a16's table derived 30 tokens and a 31.3 ms
+    target, twice budget 64's steps and 0.89 of its throughput (bench/results/derived_defaults.md)."""
+    if isinstance(cost, ServedCost) and cost.steps >= SERVED_DERIVE_STEPS:
+        return cost
+    return measured_model(cost)
+
+
 def scheduler_cost(cost: CostModel | None, sp: SchedulerPolicy) -> CostModel | None:
     """The model the scheduler bounds steps by (engine and simulator alike), for the policy as
     configured (before apply_limits writes a derived target in): served step times where
-    `itlTargetMs` is set (a promise about real steps), the measured table where the target is
-    derived, because a derived target is itself a table time (the efficient step's), so the served
-    factor would fall on both sides of the bound."""
+    `itlTargetMs` is set (a promise about real steps); where the target is derived, the model it
+    was derived from (derivation_model), so the bound and the target are in the same seconds."""
     if cost is None or sp.itl_target_ms is not None:
         return cost
-    return measured_model(cost)
+    return derivation_model(cost)
 
 
 # With no `itlTargetMs`, the chunk is the smallest prefill step that keeps this share of the
@@ -314,6 +337,22 @@ class SchedulerLimits:
                 "itlTargetMs": self.itl_target_ms, "source": self.source}
 
 
+# How far a derived limit must move before the engine runs with the new one: the served line moves a
+# little with every window, and a target that changes each time would make the steps nobody can plan by.
+LIMITS_TOLERANCE = 0.1
+
+
+def limits_moved(old: SchedulerLimits, new: SchedulerLimits, tolerance: float = LIMITS_TOLERANCE) -> bool:
+    """Whether any of the budget, chunk and target moved by more than `tolerance` of its old value
+    (or the target appeared or went)."""
+    if (old.itl_target_ms is None) != (new.itl_target_ms is None):
+        return True
+    pairs = [(old.token_budget, new.token_budget), (old.prefill_chunk_size, new.prefill_chunk_size)]
+    if old.itl_target_ms is not None and new.itl_target_ms is not None:
+        pairs.append((old.itl_target_ms, new.itl_target_ms))
+    return any(abs(b - a) > tolerance * a for a, b in pairs)
+
+
 def _fitted_step_costs(cost: CostModel, candidates: list[int]) -> list[tuple[float, float]]:
     """Lines t = a + b p (a: fixed seconds per step, b: seconds per prefill token) through the
     model's prefill-only step times at a table's measured prefill columns (other models: at the
@@ -323,7 +362,8 @@ def _fitted_step_costs(cost: CostModel, candidates: list[int]) -> list[tuple[flo
     (a 64-token cell 60% slow derived 64 tokens and a 472 ms target where the same machine's other
     tables derived 16 tokens and 111-158 ms), the medians by a flat last column (a 256-token cell
     no dearer at any batch, on busy cores, pulled them to 192 tokens and 1.4 s)."""
-    sizes = [p for p in cost.prefill_tokens if p > 0] if isinstance(cost, TableCost) else candidates
+    table = measured_model(cost)  # a served model is judged at its table's columns
+    sizes = [p for p in table.prefill_tokens if p > 0] if isinstance(table, TableCost) else candidates
     points = [(float(p), cost.seconds_for(0, p)) for p in sizes]
     if len(points) < 2:
         return []
@@ -352,7 +392,8 @@ def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, fl
     choices. Where no line fits, the candidates' own rates are compared. The target: the predicted
     time of that step beside TYPICAL_DECODES decodes, rounded up to 0.1 ms so the step it was
     chosen for fits the bound."""
-    top = max(cost.prefill_tokens) if isinstance(cost, TableCost) else MAX_DERIVED_BUDGET
+    table = measured_model(cost)
+    top = max(table.prefill_tokens) if isinstance(table, TableCost) else MAX_DERIVED_BUDGET
     candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
     fits = _fitted_step_costs(cost, candidates)
     if fits:
@@ -368,12 +409,13 @@ def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, fl
 
 def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None) -> SchedulerLimits:
     """Fill a null `tokenBudget` / `prefillChunkSize` from a cost model in seconds and the ITL
-    target: `itlTargetMs`, else the cost of an efficient step (efficient_prefill_step). The budget is
+    target: `itlTargetMs`, else the cost of an efficient step (efficient_prefill_step), on
+    derivation_model(cost): served step times once enough are judged, else the table. The budget is
     the largest step of prefill tokens predicted within the target, the chunk what a step with
     TYPICAL_DECODES decodes leaves. Explicit values win. When anything is derived, or `itlTargetMs`
     is set, the limits carry the target, and the scheduler bounds each step's total predicted time by it."""
     derive = sp.token_budget is None or sp.prefill_chunk_size is None
-    cost = measured_model(cost)
+    cost = derivation_model(cost)
     if cost is None or isinstance(cost, UnitCost):
         if sp.itl_target_ms is not None:
             raise CostModelError("scheduler.itlTargetMs needs a cost model in seconds (measured, a table or linear), "
