@@ -11,6 +11,7 @@ import pytest
 
 from magnitude.policy.load import resolve_config
 from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MAX_FIXED_S, SERVED_MIN_STEPS,
+                                SERVED_PRIOR_SPREAD,
                                 SERVED_WINDOW, CostModelError, SchedulerLimits, ServedCost, TableCost,
                                 cost_model_from_document, derivation_model, derive_scheduler_limits, limits_moved,
                                 scheduler_cost)
@@ -28,7 +29,9 @@ def table_document(**meta) -> dict:
 
 def test_served_steps_are_a_fixed_cost_plus_a_scale_of_the_table() -> None:
     """The window's least-squares line, real = fixed + scale x predicted: what the engine adds to every
-    step (its loop, and the HTTP side on the same cores), which weighs most on the small ones."""
+    step (its loop, and the HTTP side on the same cores), which weighs most on the small ones. The
+    slope is shrunk toward the table's 1x by a prior worth a spread of SERVED_PRIOR_SPREAD of the mean
+    prediction; a window spread as a mixed trace's steps (5-100 ms) keeps most of its own slope."""
     served = ServedCost(MEASURED, 1.3)  # a document's model holds until SERVED_MIN_STEPS are seen
     sizes = [0.005 + 0.005 * (i % 20) for i in range(SERVED_WINDOW)]  # 5-100 ms, as a mixed trace's steps
     for p in sizes[:SERVED_MIN_STEPS - 1]:
@@ -36,9 +39,15 @@ def test_served_steps_are_a_fixed_cost_plus_a_scale_of_the_table() -> None:
     assert (served.factor, served.fixed_s) == (1.3, 0.0)
     for p in sizes[SERVED_MIN_STEPS - 1:]:
         served.observe(p, 0.008 + 1.05 * p)
-    assert served.fixed_s == pytest.approx(0.008) and served.factor == pytest.approx(1.05)
-    assert served.seconds_for(4, 64) == pytest.approx(0.008 + 1.05 * MEASURED.seconds_for(4, 64))
-    assert "1.050 + 8.0 ms served" in served.name
+    n = len(sizes)
+    mean_p = sum(sizes) / n
+    var_p = sum(p * p for p in sizes) / n - mean_p ** 2
+    prior = (SERVED_PRIOR_SPREAD * mean_p) ** 2
+    scale = (1.05 * var_p + prior) / (var_p + prior)  # 1.041: the line's 1.05 shrunk toward 1
+    assert served.factor == pytest.approx(scale) and 1.03 < scale < 1.05
+    assert served.fixed_s == pytest.approx(0.008 + (1.05 - scale) * mean_p)
+    assert served.seconds_for(4, 64) == pytest.approx(served.fixed_s + scale * MEASURED.seconds_for(4, 64))
+    assert f"{scale:.3f} + {served.fixed_s * 1000:.1f} ms served" in served.name
     # A step predicted at nearly nothing is not judged; a stall counts as at most the bounds allow.
     served.observe(1e-5, 1.0)
     assert served.steps == SERVED_WINDOW
@@ -76,8 +85,8 @@ def test_where_a_line_says_nothing_the_excess_is_a_fixed_cost() -> None:
     assert (served.fixed_s, served.factor) == (0.0, pytest.approx(0.8))
     # A line that would give steps a negative fixed cost: the ratio, so a small step is never free.
     for p in (0.010, 0.100) * (SERVED_WINDOW // 2):
-        served.observe(p, 1.5 * p - 0.002)
-    assert served.fixed_s == 0.0 and served.factor == pytest.approx((1.5 * 0.110 - 0.004) / 0.110)
+        served.observe(p, 1.5 * p - 0.005)
+    assert served.fixed_s == 0.0 and served.factor == pytest.approx((1.5 * 0.110 - 0.010) / 0.110)
     # The scale stays within its bounds, the fixed cost within its own.
     for _ in range(SERVED_WINDOW):
         served.observe(0.010, 0.001)
@@ -85,6 +94,24 @@ def test_where_a_line_says_nothing_the_excess_is_a_fixed_cost() -> None:
     for p in (0.010, 0.020) * (SERVED_WINDOW // 2):
         served.observe(p, 0.045 + 0.2 * p)
     assert served.factor == SERVED_FACTOR_BOUNDS[0] and 0.0 < served.fixed_s <= SERVED_MAX_FIXED_S
+
+
+@pytest.mark.parametrize("slope", [0.5, 1.5])
+def test_the_fit_does_not_jump_where_the_window_starts_to_spread(slope: float) -> None:
+    """Windows of nearly the same spread fit nearly the same line: the table's scale is a prior, not
+    a switch at SERVED_PRIOR_SPREAD (a switch fitted 1x + the excess on one side and the bare line
+    on the other, and a step twice the window's mean was predicted 25% apart)."""
+    def fitted(spread: float) -> ServedCost:
+        served = ServedCost(MEASURED)
+        for p in (0.040 * (1 - spread), 0.040 * (1 + spread)) * (SERVED_WINDOW // 2):
+            served.observe(p, 0.030 + slope * p)
+        return served
+    below, above = fitted(0.24 * SERVED_PRIOR_SPREAD / 0.25), fitted(0.26 * SERVED_PRIOR_SPREAD / 0.25)
+    assert below.fixed_s > 0.0 and above.fixed_s > 0.0
+    big = 0.080  # twice the mean prediction
+    assert below.fixed_s + below.factor * big == pytest.approx(above.fixed_s + above.factor * big, rel=0.02)
+    # Both lie between the table's scale and the window's own slope.
+    assert min(1.0, slope) < below.factor < max(1.0, slope) and min(1.0, slope) < above.factor < max(1.0, slope)
 
 
 # A table whose steps cost in proportion to their tokens (1 ms each, decodes and prefill alike), as

@@ -168,21 +168,26 @@ class TableCost:
 # left 8.7 ms (bench/results/sim_fidelity.md, 2026-12-03). So the engine fits
 # real = fixed + scale x predicted over the last SERVED_WINDOW steps it serves (what a running stream
 # waits between two tokens: from one decoding step's start to the next's), least squares, so the
-# big steps an ITL bound cuts weigh by their seconds. Where the window's predictions hardly differ
-# (their spread under SERVED_MIN_SPREAD of their mean) a line through them says nothing about its
-# slope: the scale is then the table's own (1x) and what the steps took beyond it is the fixed cost
-# (what the evidence above says the excess mostly is; a ratio there would keep steps as small as
-# the table derived them, since it stretches every step alike: in the engine w4a16's first steps,
-# all of the table's derived size, fitted 1.3-1.6x and re-derived the same 16-token chunk). Where
-# the steps took less than the table, and where a line's fixed cost comes out negative, the model
-# is the ratio of the summed seconds (fixed 0), so a small step is never free. The scale stays within SERVED_FACTOR_BOUNDS and the fixed cost within
-# [0, SERVED_MAX_FIXED_S]. A step counts at most SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] times
+# big steps an ITL bound cuts weigh by their seconds, with the table's own scale (1x) as a prior worth
+# a spread of SERVED_PRIOR_SPREAD of the mean prediction: scale = (cov + c^2) / (var + c^2), c that
+# spread. Where the window's predictions hardly differ a line through them says nothing about its
+# slope, so the scale stays near 1x and what the steps took beyond the table is the fixed cost (what
+# the evidence above says the excess mostly is; a ratio there would keep steps as small as the table
+# derived them, since it stretches every step alike: in the engine w4a16's first steps, all of the
+# table's derived size, fitted 1.3-1.6x and re-derived the same 16-token chunk). Where the window
+# spreads the least-squares line takes over smoothly. A hard switch between the two at a 25% spread,
+# and an unshrunk slope just past it, made consecutive windows on one AVX2 host fit 17.4 ms + 0.858x
+# and then 1.12x (a negative fixed cost), and the derived limits went 27/16 -> 39/31 -> 27/16 within
+# 128 steps. Where the steps took less than the table, or the line's fixed cost comes out negative,
+# the model is the ratio of the summed seconds (fixed 0), so a small step is never free. The fixed
+# cost stays within [0, SERVED_MAX_FIXED_S] (beyond it the rest is a scale) and the scale within
+# SERVED_FACTOR_BOUNDS. A step counts at most SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] times
 # its prediction (one stall on a shared host must not set the bound for the next few hundred
 # steps). Steps predicted under SERVED_MIN_PREDICTED_S are not judged.
 SERVED_WINDOW = 256
 SERVED_FACTOR_BOUNDS = (0.5, 4.0)
 SERVED_MAX_FIXED_S = 0.05
-SERVED_MIN_SPREAD = 0.25
+SERVED_PRIOR_SPREAD = 0.25
 SERVED_MIN_PREDICTED_S = 1e-3
 # Steps observed before the window's fit replaces the starting model (1x and 0 s, or a document's):
 # the first steps of a process (first shapes, cold caches) say little about the ones after.
@@ -234,25 +239,23 @@ class ServedCost:
         self._spr += sign * p * r
 
     def _fit(self) -> tuple[float, float]:
-        """(fixed, scale) of the window: the least-squares line, the excess over the table as a
-        fixed cost, or the summed ratio (see above)."""
+        """(fixed, scale) of the window: the line shrunk toward the table's own scale, or the
+        summed ratio (see above)."""
         lo, hi = SERVED_FACTOR_BOUNDS
         n = len(self._window)
         mean_p, mean_r = self._sp / n, self._sr / n
         var_p = max(0.0, self._spp / n - mean_p * mean_p)
-        ratio = (0.0, min(hi, max(lo, self._sr / self._sp)))
-        if var_p <= (SERVED_MIN_SPREAD * mean_p) ** 2:
-            if mean_r <= mean_p:
-                return ratio
-            fixed = min(SERVED_MAX_FIXED_S, mean_r - mean_p)
-            return fixed, min(hi, (mean_r - fixed) / mean_p)
-        scale = (self._spr / n - mean_p * mean_r) / var_p
+        cov = self._spr / n - mean_p * mean_r
+        prior = (SERVED_PRIOR_SPREAD * mean_p) ** 2
+        scale = (cov + prior) / (var_p + prior)
         fixed = mean_r - scale * mean_p
         if fixed <= 0.0:
-            return ratio
+            return 0.0, min(hi, max(lo, self._sr / self._sp))
+        if fixed > SERVED_MAX_FIXED_S:
+            fixed = SERVED_MAX_FIXED_S
+            scale = (mean_r - fixed) / mean_p
         scale = min(hi, max(lo, scale))
-        fixed = min(SERVED_MAX_FIXED_S, max(0.0, mean_r - scale * mean_p))
-        return fixed, scale
+        return min(SERVED_MAX_FIXED_S, max(0.0, mean_r - scale * mean_p)), scale
 
     def _served(self, table_s: float) -> float:
         return self.fixed_s + self.factor * table_s if table_s > 0.0 else table_s
