@@ -175,10 +175,10 @@ class TableCost:
 # the evidence above says the excess mostly is; a ratio there would keep steps as small as the table
 # derived them, since it stretches every step alike: in the engine w4a16's first steps, all of the
 # table's derived size, fitted 1.3-1.6x and re-derived the same 16-token chunk). Where the window
-# spreads the least-squares line takes over smoothly. A hard switch between the two at a 25% spread,
-# and an unshrunk slope just past it, made consecutive windows on one AVX2 host fit 17.4 ms + 0.858x
-# and then 1.12x (a negative fixed cost), and the derived limits went 27/16 -> 39/31 -> 27/16 within
-# 128 steps. Where the steps took less than the table, or the line's fixed cost comes out negative,
+# spreads the least-squares line takes over smoothly. With a hard switch at a 25% spread and the
+# bare slope past it, consecutive windows on one AVX2 host fitted 17.4 ms + 0.858x and then 1.12x,
+# and the derived limits went 27/16 -> 39/31 -> 27/16 within 128 steps; with the prior no run there
+# changed its budget or chunk (bench/results/derived_defaults.md, 2026-12-04). Where the steps took less than the table, or the line's fixed cost comes out negative,
 # the model is the ratio of the summed seconds (fixed 0), so a small step is never free. The fixed
 # cost stays within [0, SERVED_MAX_FIXED_S] (beyond it the rest is a scale) and the scale within
 # SERVED_FACTOR_BOUNDS. A step counts at most SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] times
