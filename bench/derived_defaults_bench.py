@@ -12,7 +12,9 @@ derived run's table (`--cost-model`, fetched from GET /debug/cost-model) so only
 for calibration. The traces and the streaming client are bench/runner_bench.py's and bench/loadgen.py's
 (mixed: 24 requests at once; long: chats running when a 1,500-token prompt arrives). Prints, per
 dtype and trace, output tok/s and its ratio to the best of the sweep, TTFT p50, ITL p99 and the
-longest stall inside a chat stream, and the load average before and after (a shared host makes
+longest stall inside a chat stream (as the client saw text arrive, and as the engine produced the
+tokens: the response's `timing.max_itl_ms`; a token whose text waits to complete a character reaches
+the client with the next one, so the client's gap can span two steps), and the load average before and after (a shared host makes
 every figure noisy: compare within one run). With `--repeats N` every setting runs N times, the
 settings taking turns (derived, then each budget, then again), and each figure is the median of its
 N runs (the stalls: the worst of them), so a slow minute of the host lands on one run of each
@@ -136,7 +138,7 @@ def median_run(runs: list[dict], trace: str) -> dict:
     """One trace's figures over repeated runs: medians, and the worst stalls."""
     figures = [r[trace] for r in runs]
     out = {k: statistics.median(f[k] for f in figures) for k in ("output_tok_s", "ttft_p50", "itl_p99")}
-    for k in ("longest_stall", "chat_longest_stall"):
+    for k in ("longest_stall", "chat_longest_stall", "chat_engine_stall"):
         values = [f[k] for f in figures if f.get(k) is not None]
         out[k] = max(values) if values else None
     out["runs_tok_s"] = [round(f["output_tok_s"], 1) for f in figures]
@@ -162,11 +164,12 @@ def print_table(results: dict, dtypes: list[str], traces: list[str]) -> None:
             med = {name: median_run(runs, trace) for name, runs in rows.items()}
             ratio = of_best(rows, trace)
             print(f"  {trace:5} {'setting':>8} {'tok/s':>7} {'of best':>7} {'TTFT p50':>9} {'ITL p99':>8} "
-                  f"{'stall':>7} {'chat stall':>10}  runs' tok/s")
+                  f"{'stall':>7} {'chat stall':>10} {'engine':>7}  runs' tok/s")
             for name, m in med.items():
                 print(f"  {'':5} {name:>8} {m['output_tok_s']:7.1f} {ratio[name]:7.2f} "
                       f"{m['ttft_p50']:9.2f} {m['itl_p99']:8.3f} {m['longest_stall']:7.3f} "
-                      f"{m['chat_longest_stall'] or float('nan'):10.3f}  {m['runs_tok_s']}")
+                      f"{m['chat_longest_stall'] or float('nan'):10.3f} {m['chat_engine_stall'] or float('nan'):7.3f}  "
+                      f"{m['runs_tok_s']}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ least 64 tokens of room; the server's verdict (`timing.output_contract`) is coun
 report's `loadgen.contracts` gives verified outputs per second next to tokens per second: the
 cost of a verified answer, not of a token. Timing is measured on the client: TTFT at the first content chunk, ITL
 between content chunks, e2e at the last; queue time comes from the server's `timing` extension
-when present (Magnitude), else from its first `prefill` progress chunk, else it is null.
+when present (Magnitude), else from its first `prefill` progress chunk, else it is null. A token
+whose text waits for the next one reaches the client with it, so a client-side gap can span two
+steps: the report's `loadgen.engine_longest_stall` gives, per tenant, the longest gap between tokens
+as the server produced them (Magnitude's `timing.max_itl_ms`; empty for servers without it).
 
 The report is built by the simulator's own `build_report` from engine `Request` objects filled
 with these measurements, so a real run and `magnitude simulate --json` of the same trace compare
@@ -70,6 +73,9 @@ class Measured:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     contract: str | None = None  # the server's output-contract verdict, when the request carried one
+    # The server's `timing.max_itl_ms`: the longest gap between tokens as the engine produced them,
+    # against token_times' gaps between chunks that carried text (a held-back token joins the next).
+    engine_max_itl_ms: float | None = None
 
 
 def prompt_for(rec: TraceRecord, ids: tuple[int, int]) -> str | list[int]:
@@ -161,6 +167,8 @@ async def run_one(client: httpx.AsyncClient, rec: TraceRecord, args: argparse.Na
                     timing = chunk.get("timing") or {}
                     if timing.get("output_contract"):
                         m.contract = timing["output_contract"]
+                    if timing.get("max_itl_ms") is not None:
+                        m.engine_max_itl_ms = timing["max_itl_ms"]
                     if timing.get("queue_time_ms") is not None:
                         m.admitted = rec.arrival * args.time_scale + timing["queue_time_ms"] / 1000.0
                 m.finished = now()
@@ -205,6 +213,17 @@ async def replay(records: list[TraceRecord], args: argparse.Namespace) -> tuple[
         return list(results), time.monotonic() - t0
 
 
+def engine_stalls(records: list[TraceRecord], measured: list[Measured]) -> dict[str, float]:
+    """Per tenant, the longest gap between output tokens the server reported (`timing.max_itl_ms`,
+    seconds): servers that report none (llama-server) are left out."""
+    out: dict[str, float] = {}
+    for rec, m in zip(records, measured):
+        if m.engine_max_itl_ms is not None:
+            tenant = rec.tenant or "default"
+            out[tenant] = max(out.get(tenant, 0.0), m.engine_max_itl_ms / 1000.0)
+    return out
+
+
 def contract_summary(measured: list[Measured], wall: float) -> dict[str, Any]:
     verdicts = [m.contract for m in measured if m.contract is not None]
     valid = verdicts.count("valid")
@@ -237,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     report = build_report(result, include_steps=False, include_events=False)
     report["loadgen"] = {"url": args.url, "trace": args.trace, "wall_seconds": wall, "time_scale": args.time_scale,
                          "errors": sum(1 for _, r in pairs if (r.finish_reason or "").startswith("error")),
-                         "contracts": contract_summary(measured, wall)}
+                         "contracts": contract_summary(measured, wall),
+                         "engine_longest_stall": engine_stalls(records, measured)}
     text = dump_report(report)
     if args.out:
         write_atomic(args.out, text)

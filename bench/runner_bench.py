@@ -181,6 +181,8 @@ def summarize(report: dict, trace_name: str) -> dict:
         chat, long = report["tenants"].get("chat", {}), report["tenants"].get("long", {})
         out["chat_ttft_p50"] = (chat.get("ttft") or {}).get("p50")
         out["chat_longest_stall"] = (chat.get("itl") or {}).get("max")
+        # The same stall as the engine produced the tokens (timing.max_itl_ms), without text held back by the stream.
+        out["chat_engine_stall"] = (report.get("loadgen") or {}).get("engine_longest_stall", {}).get("chat")
         out["long_ttft"] = (long.get("ttft") or {}).get("p50")
     return out
 

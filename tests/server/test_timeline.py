@@ -73,7 +73,7 @@ def test_timeline_of_a_preempted_request_orders_events_and_adds_up() -> None:
     timing = rl.close("cmpl-a", "finished", 106.0, [101.5, 104.3, 106.0])
 
     assert timing == {
-        "queue_time_ms": 500.0, "ttft_ms": 1500.0, "mean_itl_ms": 2250.0, "e2e_ms": 6000.0, "loading_ms": 0.0,
+        "queue_time_ms": 500.0, "ttft_ms": 1500.0, "mean_itl_ms": 2250.0, "max_itl_ms": 2800.0, "e2e_ms": 6000.0, "loading_ms": 0.0,
         "preparation_ms": 500.0, "prefill_ms": 500.0, "decode_ms": 2500.0, "preempted_ms": 2000.0,
         "cached_prompt_tokens": 16, "spec_acceptance": None, "max_burst_tokens": 1,
     }

@@ -93,6 +93,10 @@ class RequestTimeline:
     preempted_s: float = 0.0  # closed preempted intervals
     preempted_before_first_token_s: float = 0.0
     mean_itl_ms: float | None = None
+    # Longest gap between consecutive output tokens as the engine emitted them: the stall the
+    # scheduler answers for, apart from text a client's stream holds back (a token that does not yet
+    # end a character or word reaches the client with the next one).
+    max_itl_ms: float | None = None
     prefilled: int = 0  # highest prompt position a chunk reached
     spec_acceptance: float | None = None  # accepted / proposed draft tokens; None: speculation never ran
     max_burst_tokens: int | None = None  # most tokens that landed in one step (> 1 only under speculation)
@@ -113,6 +117,7 @@ class RequestTimeline:
             "queue_time_ms": ms((self.admitted if self.admitted is not None else end) - self.enqueued),
             "ttft_ms": None if self.first_token is None else ms(self.first_token - self.arrival),
             "mean_itl_ms": self.mean_itl_ms,
+            "max_itl_ms": self.max_itl_ms,
             "e2e_ms": ms(end - self.arrival),
             "loading_ms": ms(self.loading_s),
             "preparation_ms": ms(self.enqueued - self.arrival - self.loading_s),
@@ -230,7 +235,8 @@ class RequestLog:
               spec_acceptance: float | None = None) -> dict[str, float | int | None]:
         """The request ended: freeze its timing and move it to the ring of recent requests.
         ITL is per token: tokens that landed together in one step (accepted drafts) count as
-        separate gaps of 0, and the largest such burst is reported as `max_burst_tokens`."""
+        separate gaps of 0, and the largest such burst is reported as `max_burst_tokens`; the
+        longest gap (a preempted interval included) as `max_itl_ms`."""
         with self._lock:
             rec = self._live.pop(request_id, None)
             self._prefilling.discard(request_id)
@@ -243,6 +249,7 @@ class RequestLog:
                 rec.max_burst_tokens = max(Counter(token_times).values())
             if len(token_times) >= 2:
                 rec.mean_itl_ms = round((token_times[-1] - token_times[0]) / (len(token_times) - 1) * 1000.0, 3)
+                rec.max_itl_ms = round(max(b - a for a, b in zip(token_times, token_times[1:])) * 1000.0, 3)
             self._recent[request_id] = rec
             while len(self._recent) > self.max_requests:
                 _, old = self._recent.popitem(last=False)
