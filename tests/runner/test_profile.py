@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import pytest
 
 from magnitude.cli.main import main
 from magnitude.cli.profile import largest_prefill_chunk, parse_duration
-from magnitude.runner.calibration import profile_runner
+from magnitude.runner.calibration import REFERENCE_ID, profile_runner
 from magnitude.sim.cost import load_cost_model
 
 
@@ -47,31 +48,42 @@ def test_profile_of_the_real_runner_loads_as_a_cost_model(runner, tmp_path):
 
 class _ScriptedRunner:
     """A runner whose step times are scripted per grid cell (decodes, prefill tokens), pass by
-    pass, and which counts the steps it ran: no model, no timing noise."""
+    pass, and which counts the steps it ran: no model, no timing noise. The reference step between
+    cells takes `reference` seconds, times `speed(n)` for the n-th step run (a host whose speed drifts)."""
 
     block_size, num_blocks, num_swap_blocks = 16, 64, 0
     model_name, device, dtype, quantization = "scripted", "cpu", "float32", "none"
 
-    def __init__(self, script: dict[tuple[int, int], list[float]]) -> None:
+    def __init__(self, script: dict[tuple[int, int], list[float]], reference: float = 0.010,
+                 speed: Callable[[int], float] = lambda n: 1.0) -> None:
         self.script = script
+        self.reference = reference
+        self.speed = speed
         self.ran: dict[tuple[int, int], int] = {}
+        self.references = 0
+        self.steps = 0
 
     def execute(self, plan):
         from types import SimpleNamespace
 
-        cell = (sum(1 for s in plan.seqs if s.request_id.startswith("d")),
-                sum(len(s.token_ids) for s in plan.seqs if s.request_id == "p"))
         if plan.step_id == 0:  # the unmeasured first run of the largest cell
             return SimpleNamespace(duration_s=1.0)
+        self.steps += 1
+        if all(s.request_id.startswith(REFERENCE_ID) for s in plan.seqs):
+            self.references += 1
+            return SimpleNamespace(duration_s=self.reference * self.speed(self.steps))
+        cell = (sum(1 for s in plan.seqs if s.request_id.startswith("d")),
+                sum(len(s.token_ids) for s in plan.seqs if s.request_id == "p"))
         n = self.ran.get(cell, 0)
         self.ran[cell] = n + 1
-        return SimpleNamespace(duration_s=self.script[cell][n])
+        return SimpleNamespace(duration_s=self.script[cell][n] * self.speed(self.steps))
 
 
 def test_the_engines_third_pass_runs_only_where_the_first_two_disagree():
     """With `agreement` (the engine's calibration), a cell whose first two passes agree within it is
     not measured a third time (its median could only move within their band), one that disagrees is,
     and takes the median of three; without it every pass runs (`magnitude profile --repeats`)."""
+    # A reference of 0.010 s throughout: the relative times are the scripted ones over it.
     script = {(1, 0): [0.010, 0.0104, 9.0], (0, 16): [0.040, 0.080, 0.041], (1, 16): [0.050, 0.051, 9.0]}
     runner = _ScriptedRunner(script)
     doc = profile_runner(runner, [0, 1], [0, 16], context=20, repeats=3, attention=False, agreement=0.05)
@@ -83,6 +95,25 @@ def test_the_engines_third_pass_runs_only_where_the_first_two_disagree():
     every = _ScriptedRunner(script)
     doc = profile_runner(every, [0, 1], [0, 16], context=20, repeats=3, attention=False)
     assert every.ran == {(1, 0): 3, (0, 16): 3, (1, 16): 3} and doc["seconds"][1][1] == pytest.approx(0.051)
+    assert every.references == 9 + 1  # one before the first cell, one after each
+
+
+def test_cells_are_timed_against_the_reference_beside_them():
+    """A host that runs everything twice as slowly from some step on (a shared machine's speed
+    drifts over seconds): each cell over the reference steps around it keeps the cells' true
+    proportions, in seconds of the median reference. Cells taken at face value would not: the
+    chunk measured at half speed would cost 8x the decode instead of 4x."""
+    script = {(1, 0): [0.010], (0, 16): [0.040], (1, 16): [0.050]}
+    # The order run: reference, (0, 16), reference, (1, 0), reference, (1, 16), reference; half
+    # speed from the fourth step, the (1, 0) cell, on.
+    runner = _ScriptedRunner(script, reference=0.010, speed=lambda step: 1.0 if step < 4 else 2.0)
+    doc = profile_runner(runner, [0, 1], [0, 16], context=20, repeats=1, attention=False)
+    secs = doc["seconds"]
+    # References 0.010, 0.010, 0.020, 0.020: the median is 0.015 s.
+    assert doc["meta"]["reference_step_seconds"] == pytest.approx(0.015)
+    assert secs[0][1] == pytest.approx(4 * 0.015) and secs[1][1] == pytest.approx(5 * 0.015)
+    # The cell the change fell on is over the mean of a full- and a half-speed reference.
+    assert secs[1][0] == pytest.approx(4 / 3 * 0.015)
 
 
 class _PoolReadingRunner:

@@ -3,9 +3,10 @@ start-up `calibrating` phase, and the cache that lets a restart skip it.
 
 `profile_runner` times real `runner.execute` calls over a grid of (decode batch size, prefill
 tokens): `d` decodes at a fixed context length (over pool blocks written first, as a request's
-are) plus one prefill chunk of `p` tokens, the median
-of `repeats` passes over the grid (the engine's third pass only where a cell's first two
-disagree); then the attention figures (runner/attention_cost.py: what a
+are) plus one prefill chunk of `p` tokens, each cell timed between two runs of a reference step
+(one decode) and taken relative to them, the median over `repeats` passes of the grid (the
+engine's third pass only where a cell's first two disagree), times the reference's median; then
+the attention figures (runner/attention_cost.py: what a
 decode pays per context token beyond that length, a chunk deep in a long prompt per query-key
 pair) and the swap rate. Its result is the simulator's `table` cost model document
 (sim/cost.py reads it; `GET /debug/cost-model` returns it). `calibrated_cost_model` is the engine's
@@ -53,7 +54,7 @@ ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "10"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+CALIBRATION_VERSION = "11"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
 # 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
@@ -62,6 +63,19 @@ CALIBRATION_VERSION = "10"  # 2: per_swap_token by measure_swap; 3: the attentio
 # 8: the engine's third pass only for cells whose first two disagree (CALIBRATION_AGREEMENT);
 # 9: contexts read from written pool pages (attention_cost.materialize), 2 far decodes;
 # 10: the fused step bounds chunk rows only (fused_decode.FUSED_MAX_CHUNK_ROWS): cells of many decodes beside a chunk run fused
+# 11: cells relative to a reference step run beside each (REFERENCE_DECODES)
+
+# The reference step timed before and after every measured cell: one decode at the grid's context, the
+# cheapest step (one more step per measured cell: 18-20 ms each on two AVX2 EPYC cores, under a second
+# of a 27 s w4a16 calibration). A shared host's speed drifts over seconds, there by half within a
+# minute (a 64-token prefill step took 153-319 ms within 40 s, each step's time correlating 0.4-0.8
+# with the decode run just before it), so cells measured seconds apart disagree in proportion. Over
+# the mean of its two references a cell varies less (that 64-token step over 138 runs: a coefficient
+# of variation of 0.147 as timed, 0.112 relative; a median of three: 0.087 and 0.064), so the table's
+# shape, which sets the derived chunk, is more the host's than that minute's. The median reference
+# restores seconds.
+REFERENCE_DECODES = 1
+REFERENCE_ID = "reference"
 
 ProgressFn = Callable[[float], None]
 
@@ -78,40 +92,70 @@ def _plan(d: int, p: int, context: int, block_size: int, step: int) -> StepPlan:
 
 
 def blocks_needed(decodes: list[int], prefills: list[int], context: int, block_size: int) -> int:
-    return max(decodes) * -(-(context + 1) // block_size) + -(-max(prefills) // block_size) + 1
+    """Pool blocks the grid (and its reference step) reads and writes."""
+    return max(*decodes, REFERENCE_DECODES) * -(-(context + 1) // block_size) + -(-max(prefills) // block_size) + 1
+
+
+def _reference_plan(context: int, block_size: int, step: int) -> StepPlan:
+    """REFERENCE_DECODES decodes at the grid's context, over the first decode's blocks (request ids
+    REFERENCE_ID-i, so a scripted runner can tell them from the grid's)."""
+    plan = _plan(REFERENCE_DECODES, 0, context, block_size, step)
+    for i, seq in enumerate(plan.seqs):
+        seq.request_id = f"{REFERENCE_ID}-{i}"
+    return plan
 
 
 def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context: int, repeats: int,
                    progress: ProgressFn | None = None, attention: bool = True,
                    agreement: float | None = None) -> dict:
     """The cost-model document for this runner (kind `table`). One unmeasured run of the largest
-    cell (first-shape effects), then `repeats` passes over the grid; a cell's time is its median
-    pass: the simulator and the ITL bound predict the steps the engine will run, which jitter as
-    these do (the fastest pass put replays of the engine's own traffic 6-12% fast; a burst of other
-    load lands on one pass of a cell, which the median drops), and the table is made non-decreasing along both axes (more work never costs less),
-    which the ITL bound's searches rely on. `progress(fraction)` after each measured cell (the grid
-    is the first GRID_SHARE of the work). `attention=False` leaves the attention figures out (a
-    benchmark that reads only the table's cells). `agreement` (the engine's CALIBRATION_AGREEMENT):
-    passes after the second measure only the cells whose times so far differ by more than that
-    fraction of the smallest."""
+    cell (first-shape effects), then `repeats` passes over the grid, every measured cell between
+    two runs of the reference step (_reference_plan; REFERENCE_DECODES says why): a cell's time is
+    the median over passes of its time over the mean of the references around it, times the
+    median reference. The simulator and the ITL bound predict the steps the engine will run, which
+    jitter as these do (the fastest pass put replays of the engine's own traffic 6-12% fast; a
+    burst of other load lands on one pass of a cell, which the median drops), and the table is made
+    non-decreasing along both axes (more work never costs less), which the ITL bound's searches
+    rely on. `progress(fraction)` after each measured cell (the grid is the first GRID_SHARE of the
+    work). `attention=False` leaves the attention figures out (a benchmark that reads only the
+    table's cells). `agreement` (the engine's CALIBRATION_AGREEMENT): passes after the second
+    measure only the cells whose relative times so far differ by more than that fraction of the
+    smallest."""
     block_size = runner.block_size
     materialize(runner, blocks_needed(decodes, prefills, context, block_size))
     runner.execute(_plan(max(decodes), max(prefills), context, block_size, 0))
     cells = [(i, j) for i in range(len(decodes)) for j in range(len(prefills))]
-    times: list[list[list[float]]] = [[[] for _ in prefills] for _ in decodes]
+    relative: list[list[list[float]]] = [[[] for _ in prefills] for _ in decodes]
+    references: list[float] = []
+    step = 0
+
+    def run(plan_for: Callable[[int], StepPlan]) -> float:
+        nonlocal step
+        step += 1
+        return runner.execute(plan_for(step)).duration_s
+
+    def reference() -> float:
+        references.append(max(run(lambda n: _reference_plan(context, block_size, n)), 1e-9))
+        return references[-1]
+
     done, total = 0, max(1, repeats) * len(cells) / (GRID_SHARE if attention else 1.0)
+    before = reference()
     for n in range(max(1, repeats)):
         for i, j in cells:
             d, p = decodes[i], prefills[j]
-            so_far = times[i][j]
+            so_far = relative[i][j]
             settled = (agreement is not None and n >= 2 and bool(so_far)
                        and max(so_far) <= (1.0 + agreement) * min(so_far))
             if (d or p) and not settled:  # an empty step does nothing: leave it at the floor
-                so_far.append(runner.execute(_plan(d, p, context, block_size, done + 1)).duration_s)
+                took = run(lambda k, d=d, p=p: _plan(d, p, context, block_size, k))
+                after = reference()
+                so_far.append(took / ((before + after) / 2.0))
+                before = after
             done += 1
             if progress is not None:
                 progress(done / total)
-    seconds = [[max(statistics.median(v) if v else 0.0, 1e-6) for v in row] for row in times]
+    scale = statistics.median(references)
+    seconds = [[max(statistics.median(v) * scale if v else 0.0, 1e-6) for v in row] for row in relative]
     for i, row in enumerate(seconds):
         for j in range(len(row)):
             row[j] = max(row[j], row[j - 1] if j else 0.0, seconds[i - 1][j] if i else 0.0)
@@ -130,7 +174,8 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
             "decode_context_tokens": context,
             "repeats": repeats,
             "agreement": agreement,
-            "passes": sum(len(v) for row in times for v in row),
+            "passes": sum(len(v) for row in relative for v in row),
+            "reference_step_seconds": scale,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     }
