@@ -14,8 +14,8 @@ for calibration. The traces and the streaming client are bench/runner_bench.py's
 dtype and trace, output tok/s and its ratio to the best of the sweep, TTFT p50, ITL p99 and the
 longest stall inside a chat stream (as the client saw text arrive, and as the engine produced the
 tokens: the response's `timing.max_itl_ms`; a token whose text waits to complete a character reaches
-the client with the next one, so the client's gap can span two steps), and the load average before and after (a shared host makes
-every figure noisy: compare within one run). With `--repeats N` every setting runs N times, the
+the client with the next one, so the client's gap can span two steps), and the load average before
+and after (a shared host makes every figure noisy: compare within one run). With `--repeats N` every setting runs N times, the
 settings taking turns (derived, then each budget, then again), and each figure is the median of its
 N runs (the stalls: the worst of them), so a slow minute of the host lands on one run of each
 setting rather than on all runs of one; "of best" is the median over turns of the setting's tok/s
