@@ -19,7 +19,7 @@
    (target 0.85-1.15), with the load average: the machine is shared, so read the ratios, not the
    seconds; then the steps the engine ran (its magnitude_step_duration_seconds histogram: count and
    seconds) against the replay's, which tells a cost model that is off per step from a schedule
-   that differs.
+   that differs; and the limits the engine ended with (/readyz) against the replay's.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict
             cost.write_text(r.text)
         report = json.loads(real.read_text())
         report["engine_steps"] = step_totals(httpx.get(url + "/metrics", timeout=30).text)
+        report["engine_limits"] = httpx.get(url + "/readyz", timeout=30).json().get("scheduler")
         return report
     finally:
         server.send_signal(signal.SIGTERM)  # the recorder flushes on the way out
@@ -221,6 +222,12 @@ def main() -> int:
     print(f"steps: engine {en} in {es:.2f} s (mean {es / max(en, 1) * 1000:.1f} ms), "
           f"sim recorded {sn} in {ss:.2f} s (mean {ss / max(sn, 1) * 1000:.1f} ms), mean ratio sim/engine "
           f"{(ss / max(sn, 1)) / (es / max(en, 1)) if es else float('nan'):.3f}")
+    # Both start from the table's limits and derive them again from served steps every 64 judged steps.
+    sched = replay["config"]["scheduler"]
+    last = (replay.get("limits_changes") or [{k: sched.get(k) for k in ("tokenBudget", "prefillChunkSize",
+                                                                         "itlTargetMs")}])[-1]
+    print(f"limits at the end: engine {engine_report.get('engine_limits')}, sim recorded {last} "
+          f"({len(replay.get('limits_changes') or [])} changes)")
     return 0
 
 

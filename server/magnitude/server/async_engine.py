@@ -34,8 +34,8 @@ from magnitude.server.protocol import internal_error_message
 from magnitude.server.timeline import RequestLog
 from magnitude.server.tokenization import PromptRenderer
 from magnitude.server.trace_recorder import Ended, TraceRecorder
-from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SchedulerLimits, ServedCost, UnitCost, apply_limits,
-                                cost_model_from_document, derive_scheduler_limits, limits_moved, scheduler_cost)
+from magnitude.sim.cost import SchedulerLimits, apply_limits, cost_model_from_document
+from magnitude.sim.served_limits import LimitsChange, LimitsFollower
 
 log = logging.getLogger("magnitude.async_engine")
 
@@ -212,13 +212,13 @@ class AsyncEngine:
         self.cost_model = cost_model  # the step-cost model preemptionMode auto decides by (sim/cost.py)
         # Its document (GET /debug/cost-model); without one given, the runner's calibration supplies both.
         self.cost_model_document = cost_model_document
+        # The limits and the served-step learner (sim/served_limits.py), set when the model loads.
+        self.limits_follower: LimitsFollower | None = None
         # The cost model fitted to served steps (sim/cost.py ServedCost), learned from every step the
         # loop serves; None without a model in seconds.
         self.served_cost: Any = None
         self.scheduler_cost_model: Any = None  # what the scheduler bounds steps by (sim/cost.py scheduler_cost)
-        self._served_previous: tuple[float, float] | None = None  # the last decoding step: (predicted s, start)
         self.scheduler_limits: SchedulerLimits | None = None  # what the scheduler runs with
-        self._derived_at_steps = 0  # served.steps when the limits were last derived
         # recordTrace: ended requests go to a writer thread as trace lines (server/trace_recorder.py).
         self.trace_recorder: TraceRecorder | None = None
         if config.record_trace is not None:
@@ -335,14 +335,11 @@ class AsyncEngine:
         if self.cost_model is None and self.cost_model_document is not None:
             self.cost_model = cost_model_from_document(self.cost_model_document, "calibrated cost model",
                                                        self.config.kv_cache.block_size)
-        if isinstance(self.cost_model, ServedCost):
-            self.served_cost = self.cost_model  # a document that already carried a served fit
-        elif self.cost_model is not None and not isinstance(self.cost_model, UnitCost):
-            self.served_cost = ServedCost(self.cost_model)
-        self.scheduler_cost_model = scheduler_cost(self.served_cost or self.cost_model, self.config.scheduler)
-        limits = derive_scheduler_limits(self.config.scheduler, self.cost_model)
-        self.scheduler_limits = limits
-        self._derived_at_steps = self.served_cost.steps if self.served_cost is not None else 0
+        # From the table, a --cost-model document's too: its served line is what another run's steps took.
+        follower = self.limits_follower = LimitsFollower(self.config.scheduler, self.cost_model)
+        self.served_cost = follower.served
+        self.scheduler_cost_model = follower.bound
+        limits = self.scheduler_limits = follower.limits
         if limits.warning:
             log.warning("scheduler: %s", limits.warning)
         self.metrics.set_scheduler_limits(limits.token_budget, limits.prefill_chunk_size, limits.itl_target_ms,
@@ -573,36 +570,22 @@ class AsyncEngine:
         self._flush()
 
     def _observe_served_step(self, plan: StepPlan | None, output: RunnerOutput | None, stats: StepStats) -> None:
-        """Judge the previous decoding step against the table: what a running stream waited between
-        two tokens is from that step's start to this one's (the step, the loop's bookkeeping and
-        this thread's output processing after it), when both steps decode (back to back: a
-        decoding step leaves work, so the loop does not idle in between)."""
+        """Judge the step against the table and, when the follower derives new limits from served
+        steps (sim/served_limits.py: every SERVED_DERIVE_STEPS judged steps, null limits only), hand
+        them to the scheduler."""
+        assert self.limits_follower is not None
         decoding = plan is not None and output is not None and stats.num_decode > 0
-        start = stats.t - stats.duration_s
-        if decoding and self._served_previous is not None:
-            predicted, previous_start = self._served_previous
-            self.served_cost.observe(predicted, start - previous_start)
-        self._served_previous = (self.served_cost.model.step_seconds(plan), start) if decoding else None
-        if self.served_cost.steps - self._derived_at_steps >= SERVED_DERIVE_STEPS:
-            self._follow_served_steps()
+        change = self.limits_follower.after_step(plan, stats.t - stats.duration_s, decoding)
+        if change is not None:
+            self._follow_served_steps(change)
 
-    def _follow_served_steps(self) -> None:
-        """Derived limits follow served step times: every SERVED_DERIVE_STEPS steps judged, null
-        limits are derived again, from the served model (sim/cost.py derivation_model), and the
-        scheduler takes them where the bound's model changes (the table's seconds to served ones)
-        or a limit moves by more than sim/cost.py LIMITS_TOLERANCE. Explicit limits are never touched."""
+    def _follow_served_steps(self, change: LimitsChange) -> None:
+        """Run with limits derived again from served steps: the scheduler's next steps, /readyz, the
+        magnitude_scheduler_* gauges and the log."""
         assert self.loop is not None and self.served_cost is not None
-        self._derived_at_steps = self.served_cost.steps
-        old = self.scheduler_limits
-        if old is None or old.source != "derived":
-            return
-        bound = scheduler_cost(self.served_cost, self.config.scheduler)
-        new = derive_scheduler_limits(self.config.scheduler, self.served_cost)
-        scheduler = self.loop.scheduler
-        if bound is scheduler.cost_model and not limits_moved(old, new):
-            return
-        scheduler.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, bound)
-        self.scheduler_cost_model, self.scheduler_limits = bound, new
+        old, new = change.old, change.new
+        self.loop.scheduler.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, change.bound)
+        self.scheduler_cost_model, self.scheduler_limits = change.bound, new
         self.metrics.set_scheduler_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, new.source)
         log.info("scheduler: tokenBudget %d, prefillChunkSize %d, itlTargetMs %s (derived again from %d served "
                  "steps: %.1f ms + %.3fx the table; were %d, %d, %s)", new.token_budget, new.prefill_chunk_size,

@@ -193,7 +193,7 @@ SERVED_MIN_PREDICTED_S = 1e-3
 # the first steps of a process (first shapes, cold caches) say little about the ones after.
 SERVED_MIN_STEPS = 16
 # Served steps judged before null limits are derived from served step times (derivation_model),
-# and how many more before the engine derives them again (AsyncEngine._follow_served_steps).
+# and how many more before they are derived again (sim/served_limits.py LimitsFollower).
 SERVED_DERIVE_STEPS = 64
 
 

@@ -96,6 +96,8 @@ def build_report(result: SimResult, include_steps: bool = True, include_events: 
         "tenants": {k: _group(v, duration) for k, v in sorted(by_tenant.items())},
         "classes": {k: _group(v, duration) for k, v in sorted(by_class.items())},
         "speculation": result.speculation,  # None without draftModel (sim/speculation.py)
+        # The limits derived again from the replay's served steps (sim/served_limits.py); `config` has the first.
+        "limits_changes": [{"t": t, **limits.to_document()} for t, limits in result.limits_changes],
         "requests": [
             {
                 "id": req.request_id,

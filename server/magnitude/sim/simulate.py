@@ -4,6 +4,12 @@ by a cost model. No second copy of the policy lives here.
 Time rule (DESIGN §3): a step that starts at `t` and lasts `d` emits its tokens at `t + d`; the
 next step starts then, or at the next arrival when idle. Arrivals and cancellations are heap
 events; a step's end is one too, ordered before arrivals at the same instant.
+
+The limits follow served steps as the engine's do (sim/served_limits.py): a replay starts from the
+limits its table derives, judges the steps it simulates, and derives null limits again on the
+engine's schedule. With a `GET /debug/cost-model` document the simulated steps take the served
+line's times (what the engine's steps took), so a replay learns them as the engine did, rather
+than running the whole trace with the limits the engine ended with.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
-from magnitude.sim.cost import CostModel, apply_limits, derive_scheduler_limits, scheduler_cost
+from magnitude.sim.cost import CostModel, SchedulerLimits, apply_limits, plan_shape
+from magnitude.sim.served_limits import LimitsFollower
 from magnitude.sim.speculation import SpecModel, spec_simulation
 from magnitude.sim.trace import TraceError, TraceRecord, prefix_token_ids
 
@@ -48,6 +55,8 @@ class SimResult:
     events: list[SchedulerEvent] = field(default_factory=list)
     end_time: float = 0.0
     speculation: dict[str, object] | None = None  # sim/speculation.py's figures when draftModel is set
+    # (time, limits) each time the limits were derived again from simulated served steps.
+    limits_changes: list[tuple[float, SchedulerLimits]] = field(default_factory=list)
 
 
 class CostModelRunner:
@@ -66,8 +75,11 @@ class CostModelRunner:
 
 def resolve_sim_config(config: EngineConfig, cost_model: CostModel) -> EngineConfig:
     """Fill what the engine would measure: kvCache.numBlocks when null, and a null tokenBudget /
-    prefillChunkSize derived from the cost model for the ITL target, as the engine derives them."""
-    config = apply_limits(config, derive_scheduler_limits(config.scheduler, cost_model))
+    prefillChunkSize derived from the cost model's table for the ITL target, as the engine starts."""
+    return _with_sim_blocks(apply_limits(config, LimitsFollower(config.scheduler, cost_model).limits))
+
+
+def _with_sim_blocks(config: EngineConfig) -> EngineConfig:
     if config.kv_cache.num_blocks is not None:
         return config
     return config.model_copy(update={"kv_cache": config.kv_cache.model_copy(update={"num_blocks": DEFAULT_SIM_BLOCKS})})
@@ -100,10 +112,11 @@ def check_trace(records: list[TraceRecord], config: EngineConfig, source: str = 
 def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostModel, keep_events: bool = True,
              speculation: SpecModel | None = None) -> SimResult:
     """`speculation`: the acceptance and draft cost to simulate a config's draftModel with (sim/speculation.py)."""
-    bound_by = scheduler_cost(cost_model, config.scheduler)
-    config = resolve_sim_config(config, cost_model)
+    # The engine starts from its table and learns what its steps take; here they take `cost_model`'s times.
+    follower = LimitsFollower(config.scheduler, cost_model)
+    config = _with_sim_blocks(apply_limits(config, follower.limits))
     check_trace(records, config)
-    sched = Scheduler(config, cost_model=bound_by)
+    sched = Scheduler(config, cost_model=follower.bound)
     spec = spec_simulation(config, cost_model, speculation,
                            {r.id: r.priority_class or config.scheduler.default_priority_class for r in records})
     runner = spec if spec is not None else CostModelRunner(cost_model)
@@ -130,6 +143,11 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
                 spec.after_step(sched, plan, output)
             result.steps.append(_record(plan, start, now - start, sched))
             in_flight = None
+            change = follower.after_step(plan, start, plan_shape(plan, config.kv_cache.block_size)[0] > 0)
+            if change is not None:
+                new = change.new
+                sched.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, change.bound)
+                result.limits_changes.append((now, new))
         elif kind == CANCEL:
             sched.abort(payload, now)
         else:

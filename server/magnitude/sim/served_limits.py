@@ -1,0 +1,72 @@
+"""Derived scheduler limits that follow served step times: the policy the engine runs online
+(server/async_engine.py) and the simulator replays (sim/simulate.py), one class for both.
+
+`LimitsFollower` owns the learner of served step times (sim/cost.py ServedCost) and the limits the
+scheduler runs with. It starts from the limits the cost model derives (derive_scheduler_limits),
+judges every decoding step by what a running stream waited between two tokens (from one decoding
+step's start to the next's: the step, the loop's bookkeeping and the output processing after it),
+and every SERVED_DERIVE_STEPS judged steps derives null limits again from the served line; it
+reports a change when the model the scheduler bounds steps by changes (the table's seconds to
+served ones) or a limit moves by more than LIMITS_TOLERANCE. Explicit limits never move. Pure: the
+caller passes the step and its start time, and applies a change to its scheduler.
+
+It always starts from the table as measured, and learns this process's served steps: a document
+that carries another run's served line (`GET /debug/cost-model`) says what that run's steps took,
+which is how a replay prices its steps (sim/simulate.py), not what this run's will take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from magnitude.engine.output import StepPlan
+from magnitude.policy.schema import SchedulerPolicy
+from magnitude.sim.cost import (SERVED_DERIVE_STEPS, CostModel, SchedulerLimits, ServedCost, UnitCost,
+                                derive_scheduler_limits, limits_moved, measured_model, scheduler_cost)
+
+
+@dataclass(frozen=True)
+class LimitsChange:
+    """New limits and the model the scheduler bounds steps by from now on (Scheduler.set_limits)."""
+
+    old: SchedulerLimits
+    new: SchedulerLimits
+    bound: CostModel | None
+
+
+class LimitsFollower:
+    """The scheduler's limits, derived from `cost`'s table and, for a cost model in seconds, from
+    served step times as they are learned (see the module docstring)."""
+
+    def __init__(self, sp: SchedulerPolicy, cost: CostModel | None) -> None:
+        self.sp = sp
+        table = measured_model(cost)
+        self.served = ServedCost(table) if table is not None and not isinstance(table, UnitCost) else None
+        self.bound = scheduler_cost(self.served or table, sp)
+        self.limits = derive_scheduler_limits(sp, table)
+        self._derived_at = 0
+        self._previous: tuple[float, float] | None = None  # the last decoding step: (predicted s, start)
+
+    def after_step(self, plan: StepPlan | None, start: float, decoding: bool) -> LimitsChange | None:
+        """A step ran from `start` (`decoding`: it carried decodes); the change to apply, if any.
+        Two decoding steps back to back are judged (a decoding step leaves work, so the loop does
+        not idle in between); any other step breaks the chain."""
+        served = self.served
+        if served is None:
+            return None
+        if decoding and self._previous is not None:
+            predicted, previous_start = self._previous
+            served.observe(predicted, start - previous_start)
+        self._previous = (served.model.step_seconds(plan), start) if decoding and plan is not None else None
+        if served.steps - self._derived_at < SERVED_DERIVE_STEPS:
+            return None
+        self._derived_at = served.steps
+        old = self.limits
+        if old.source != "derived":
+            return None
+        bound = scheduler_cost(served, self.sp)
+        new = derive_scheduler_limits(self.sp, served)
+        if bound is self.bound and not limits_moved(old, new):
+            return None
+        self.bound, self.limits = bound, new
+        return LimitsChange(old, new, bound)
