@@ -2,6 +2,7 @@
 
     PYTHONPATH=server .venv/bin/python bench/sim_fidelity.py [--n 24] [--seed 1] [--burst]
         [--cost-model COST.json] [--serve-arg=--dtype=bfloat16 ...] [--keep DIR]
+    PYTHONPATH=server .venv/bin/python bench/sim_fidelity.py --replay DIR [--set K=V ...]   # a kept run, replayed again
 
 1. `magnitude trace mixed --n N --seed S` (with --burst every arrival is 0: all N at once);
 2. `magnitude serve --record-trace` (the real model on uvicorn) under `bench/loadgen.py` replaying
@@ -140,7 +141,11 @@ def main() -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine config override for both the server and the simulator")
     ap.add_argument("--keep", help="directory for the trace, recordings and reports (default: a temporary one)")
+    ap.add_argument("--replay", metavar="DIR",
+                    help="no engine run: replay the recording a run left in DIR (--keep) with this code's simulator")
     args = ap.parse_args()
+    if args.replay:
+        return compare(Path(args.replay), args, replayed=True)
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="sim-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -167,6 +172,26 @@ def main() -> int:
     recorded = work / "recorded.jsonl"
     sets = [x for kv in args.sets for x in ("--set", kv)]
     engine_report = serve_and_load(trace, recorded, [*args.serve_arg, *sets], env, cost)
+    (work / "engine.json").write_text(json.dumps({k: engine_report.get(k) for k in ("engine_steps", "engine_limits")}))
+    rec = load_trace(recorded)
+    # The recording's clock starts with the engine; the load generator's with its first request.
+    shift = min(r.arrival for r in rec) - min(r.arrival for r in records)
+    rec = [r.model_copy(update={"arrival": r.arrival - shift,
+                                "cancel_at": None if r.cancel_at is None else r.cancel_at - shift,
+                                "deadline": None if r.deadline is None else r.deadline - shift}) for r in rec]
+    write_trace(rec, recorded)
+    return compare(work, args)
+
+
+def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int:
+    """Replay `work`'s recording (recorded.jsonl, on the load generator's clock) with its cost
+    model and print the figures against the engine's (mixed.real.json, engine.json)."""
+    trace, recorded = work / "mixed.jsonl", work / "recorded.jsonl"
+    cost = Path(args.cost_model) if args.cost_model else work / "cost.json"
+    sets = [x for kv in args.sets for x in ("--set", kv)]
+    engine_report = json.loads((work / "mixed.real.json").read_text())
+    if (work / "engine.json").exists():
+        engine_report.update(json.loads((work / "engine.json").read_text()))
     real = figures(engine_report)
     doc = json.loads(cost.read_text())
     unscaled_doc = {**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
@@ -176,13 +201,6 @@ def main() -> int:
     table_only = work / "cost-table-only.json"
     table_only.write_text(json.dumps({k: v for k, v in unscaled_doc.items()
                                       if k not in ("per_decode_context_token", "per_attention_pair")}))
-    rec = load_trace(recorded)
-    # The recording's clock starts with the engine; the load generator's with its first request.
-    shift = min(r.arrival for r in rec) - min(r.arrival for r in records)
-    rec = [r.model_copy(update={"arrival": r.arrival - shift,
-                                "cancel_at": None if r.cancel_at is None else r.cancel_at - shift,
-                                "deadline": None if r.deadline is None else r.deadline - shift}) for r in rec]
-    write_trace(rec, recorded)
     replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(cost), "--json", *sets))
     unscaled_replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(unscaled), "--json", *sets))
     sims = {
@@ -204,7 +222,8 @@ def main() -> int:
         sims[f"recorded one ratio {ratio:.3f}"] = figures(json.loads(run_cli(
             "simulate", str(recorded), "--cost-model", str(one_ratio), "--json", *sets)))
     load = os.getloadavg()
-    print(f"{'burst' if args.burst else 'mixed'} n={args.n} seed={args.seed} time-scale={scale} "
+    burst = all(r.arrival == 0.0 for r in load_trace(trace))
+    print(f"{'replayed ' if replayed else ''}{'burst' if burst else 'mixed'} n={args.n} seed={args.seed} time-scale={args.time_scale} "
           f"serve={' '.join(args.serve_arg) or '-'} set={' '.join(args.sets) or '-'} cost={cost} "
           f"served {meta.get('servedFixedSeconds')} s + {meta.get('servedOverPredicted')}x ({meta.get('servedSteps')} steps)"
           f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}  ({work})")
@@ -218,10 +237,14 @@ def main() -> int:
     print(f"finished: engine {real['finished']}, " + ", ".join(f"sim {k} {v['finished']}" for k, v in sims.items()))
     # Whether a gap is in the steps' cost or in what they carry: the engine's steps (forward pass plus
     # scheduling, from its own histogram) against the replay's predicted steps.
-    (en, es), (sn, ss) = engine_report["engine_steps"], sim_step_totals(replay)
-    print(f"steps: engine {en} in {es:.2f} s (mean {es / max(en, 1) * 1000:.1f} ms), "
-          f"sim recorded {sn} in {ss:.2f} s (mean {ss / max(sn, 1) * 1000:.1f} ms), mean ratio sim/engine "
-          f"{(ss / max(sn, 1)) / (es / max(en, 1)) if es else float('nan'):.3f}")
+    (sn, ss) = sim_step_totals(replay)
+    if engine_report.get("engine_steps"):  # kept since engine.json was written (a replay of an older run has none)
+        en, es = engine_report["engine_steps"]
+        print(f"steps: engine {en} in {es:.2f} s (mean {es / max(en, 1) * 1000:.1f} ms), "
+              f"sim recorded {sn} in {ss:.2f} s (mean {ss / max(sn, 1) * 1000:.1f} ms), mean ratio sim/engine "
+              f"{(ss / max(sn, 1)) / (es / max(en, 1)) if es else float('nan'):.3f}")
+    else:
+        print(f"steps: engine's not kept, sim recorded {sn} in {ss:.2f} s (mean {ss / max(sn, 1) * 1000:.1f} ms)")
     # Both start from the table's limits and derive them again from served steps every 64 judged steps.
     sched = replay["config"]["scheduler"]
     last = (replay.get("limits_changes") or [{k: sched.get(k) for k in ("tokenBudget", "prefillChunkSize",
