@@ -22,6 +22,7 @@ import it cheaply.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -127,15 +128,10 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
     cells = [(i, j) for i in range(len(decodes)) for j in range(len(prefills))]
     relative: list[list[list[float]]] = [[[] for _ in prefills] for _ in decodes]
     references: list[float] = []
-    step = 0
-
-    def run(plan_for: Callable[[int], StepPlan]) -> float:
-        nonlocal step
-        step += 1
-        return runner.execute(plan_for(step)).duration_s
+    step_ids = itertools.count(1)
 
     def reference() -> float:
-        references.append(max(run(lambda n: _reference_plan(context, block_size, n)), 1e-9))
+        references.append(max(runner.execute(_reference_plan(context, block_size, next(step_ids))).duration_s, 1e-9))
         return references[-1]
 
     done, total = 0, max(1, repeats) * len(cells) / (GRID_SHARE if attention else 1.0)
@@ -147,7 +143,7 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
             settled = (agreement is not None and n >= 2 and bool(so_far)
                        and max(so_far) <= (1.0 + agreement) * min(so_far))
             if (d or p) and not settled:  # an empty step does nothing: leave it at the floor
-                took = run(lambda k, d=d, p=p: _plan(d, p, context, block_size, k))
+                took = runner.execute(_plan(d, p, context, block_size, next(step_ids))).duration_s
                 after = reference()
                 so_far.append(took / ((before + after) / 2.0))
                 before = after
