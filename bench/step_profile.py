@@ -6,7 +6,8 @@ step preparation and the rest (Python/framework overhead, norms, RoPE, embedding
     .venv/bin/python bench/step_profile.py --sweep [--batches 1,2,4,8] [--contexts 100,1000] [--hf-generate 129]
 
 `--compare float32:none,float32:w4a16,bfloat16:none` loads one runner per dtype:quantization (a third
-field picks the low-bit kernels, `float32:w4a16:torch`; runner/lowbit.py) and
+field picks the low-bit kernels, `float32:w4a16:torch`; runner/lowbit.py; a fourth the KV pool's dtype,
+`float32:w4a16::float16`, else the runner's default, kvCache.dtype auto) and
 runs their decode steps (every --batches x --contexts; and prefill chunks of --prefills tokens, alone
 or as D+N beside D decodes) interleaved, one step of each in turn, so a
 shared host's noise falls on all of them alike; prints median wall and process-CPU ms per step
@@ -168,13 +169,14 @@ def compare(variants: list[str], batches: list[int], contexts: list[int], steps:
     runners = {}
     for v in variants:
         dtype, _, rest = v.partition(":")
-        quantization, _, kernel = rest.partition(":")
+        quantization, _, rest = rest.partition(":")
+        kernel, _, kv_dtype = rest.partition(":")
         previous = os.environ.get(lowbit.KERNEL_ENV)
         if kernel:  # the low-bit kernels are chosen as the model's linears are built
             os.environ[lowbit.KERNEL_ENV] = kernel
         try:
             runners[v] = ModelRunner(dtype=dtype, quantization=quantization or "none", num_threads=threads,
-                                     evaluate_quantization=False,
+                                     evaluate_quantization=False, kv_cache_dtype=kv_dtype or "auto",
                                      num_blocks=_pool_blocks(batches, contexts, prefills))
         finally:
             if previous is None:

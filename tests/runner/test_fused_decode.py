@@ -38,6 +38,11 @@ TINY_TOLERANCE = 1e-5
 # (1 + 2^-22) (mistral-sliding, head size 64), which another CPU's sums could do. fp32 activations
 # in the fused step instead are 4e-2 away (test_w4a8_fused_in_fp32_would_fail).
 W4A8_TOLERANCE = 1e-2
+# Over a float16 pool (kvCache.dtype) both forwards round the new K/V to halves, and a value whose
+# fp32 sums differ in the last bit can land on the next half. Measured on AVX2 (tiny models, the
+# parametrizations below): hidden states up to 6.5e-6 apart, caches up to 6e-6 (single elements a
+# half's ulp apart), bound about 15x that.
+FP16_POOL_TOLERANCE = 1e-4
 
 
 def _native_or_skip() -> lowbit.LowbitKernels:
@@ -123,6 +128,38 @@ def test_a_decode_step_matches_the_lean_forward(arch, head_dim, quantization, tm
     # > 0: the fused step ran (its sums are not the lean forward's), not the lean forward twice
     assert got.shape == want.shape and 0 < _rel(got, want) < tolerance
     _close_caches(fused_cache, lean_cache, tolerance)
+
+
+@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("llama", 64), ("mistral-sliding", 64),
+                                           ("qwen2-sliding", 128)])
+def test_a_decode_step_over_a_float16_pool_matches_the_lean_forward(arch, head_dim, tmp_path):
+    """kvCache.dtype float16: the C step reads the halves the lean forward's prefill wrote (its vector
+    attention at head sizes 64 and 128, the generic loop at 16) and writes the step's own."""
+    _native_or_skip()
+    runner = _runner(_tiny(arch, tmp_path / arch, head_dim), quantization="w4a16", kv_cache_dtype="float16")
+    assert runner.kv.k_layers[0].dtype == torch.float16
+    got, want, fused_cache, lean_cache = _both(runner, DECODES)
+    print(f"\n{arch} head_dim {head_dim or 16} float16 pool, fused vs lean: {_rel(got, want):.1e} "
+          f"on {kernel_description('w4a16')}")
+    assert got.shape == want.shape and 0 < _rel(got, want) < FP16_POOL_TOLERANCE
+    _close_caches(fused_cache, lean_cache, FP16_POOL_TOLERANCE)
+
+
+def test_a_pool_read_in_the_wrong_dtype_would_fail(tmp_path, monkeypatch):
+    """The comparisons can fail: a step that reads an fp32 pool as halves (a dtype flag wrong on the
+    way to C; the other way round would read past the pool) is far outside FP16_POOL_TOLERANCE."""
+    _native_or_skip()
+    from magnitude.runner import fused_decode
+
+    class _WrongFlag(fused_decode._Dims):
+        def __init__(self, **kw):
+            super().__init__(**{**kw, "kv_f16": 1})
+
+    runner = _runner(_tiny("llama", tmp_path / "l", 64), quantization="w4a16", kv_cache_dtype="float32")
+    monkeypatch.setattr(fused_decode, "_Dims", _WrongFlag)
+    got, want, _f, _l = _both(runner, DECODES)
+    print(f"\nfp32 pool read as halves: {_rel(got, want):.1e}")
+    assert not _rel(got, want) < FP16_POOL_TOLERANCE  # NaN counts as failing too
 
 
 def test_w4a8_fused_in_fp32_would_fail(tmp_path, monkeypatch):
@@ -238,21 +275,23 @@ def test_a_step_with_a_long_chunk_runs_the_lean_forward_bit_for_bit(tmp_path):
         assert torch.equal(paged_decoder(inner)(*step), want)
 
 
-def test_the_portable_build_runs_a_step_of_more_than_eight_rows(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype,tolerance", [("float32", TINY_TOLERANCE), ("float16", FP16_POOL_TOLERANCE)])
+def test_the_portable_build_runs_a_step_of_more_than_eight_rows(kv_cache_dtype, tolerance, tmp_path, monkeypatch):
     """The C without AVX2 (what an ARM or older x86 CPU builds) over 12 decodes and a short chunk:
-    its products take rows in passes of 8, so 20 rows cross a pass boundary."""
+    its products take rows in passes of 8, so 20 rows cross a pass boundary; over either pool dtype
+    (a float16 one through its scalar conversions)."""
     from .test_lowbit import PORTABLE_FLAGS
 
     portable = lowbit.load(lowbit.build(tmp_path / "portable", flags=PORTABLE_FLAGS))
     assert portable.isa == "generic"
     monkeypatch.setattr(lowbit, "_loaded", portable)
-    runner = _runner(build_tiny_model("qwen2", tmp_path / "q"), quantization="w4a16")
+    runner = _runner(build_tiny_model("qwen2", tmp_path / "q"), quantization="w4a16", kv_cache_dtype=kv_cache_dtype)
     seqs = [([b], 3 + b, 1) for b in range(12)] + [([20, 21], 4, 8)]
     assert runs_fused(_step(runner, seqs, True, torch.Generator())[2])
     got, want, fused_cache, lean_cache = _both(runner, seqs, seed=3)
-    print(f"\nportable build fused vs lean: {_rel(got, want):.1e}")
-    assert got.shape[0] == 20 and _rel(got, want) < TINY_TOLERANCE
-    _close_caches(fused_cache, lean_cache, TINY_TOLERANCE)
+    print(f"\nportable build, {kv_cache_dtype} pool, fused vs lean: {_rel(got, want):.1e}")
+    assert got.shape[0] == 20 and 0 < _rel(got, want) < tolerance
+    _close_caches(fused_cache, lean_cache, tolerance)
 
 
 def test_a_block_id_outside_the_pool_is_refused_before_the_native_call(tmp_path):

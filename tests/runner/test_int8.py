@@ -61,9 +61,13 @@ def quantized_runner(runner, method):
     from magnitude.runner import ModelRunner
 
     # After `runner`, which sets the tests' thread count for the process. The evaluation record has
-    # tests of its own (tests/server/test_quantization_record.py).
+    # tests of its own (tests/server/test_quantization_record.py). An fp32 KV pool, as the
+    # reference's: these tests follow the same quantized computation token by token; the float16
+    # pool served beside quantized weights by default is judged by the record
+    # (tests/server/test_default_weights.py).
     return ModelRunner(MODEL, device=DEVICE, dtype="float32", quantization=method, block_size=BLOCK_SIZE,
-                       num_blocks=NUM_BLOCKS, num_swap_blocks=NUM_SWAP_BLOCKS, seed=0, evaluate_quantization=False)
+                       num_blocks=NUM_BLOCKS, num_swap_blocks=NUM_SWAP_BLOCKS, seed=0, evaluate_quantization=False,
+                       kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -334,3 +334,30 @@ def test_an_unknown_kernel_choice_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(lowbit.KERNEL_ENV, "fast")
     with pytest.raises(lowbit.LowbitKernelError, match="MAGNITUDE_LOWBIT_KERNEL='fast': expected native or torch"):
         lowbit.kernels()
+
+
+def _float16_cases() -> torch.Tensor:
+    """fp32 values whose float16 rounding is easy to get wrong: ties to even, the subnormal range
+    and its bottom (2^-25 is a tie to zero), the top (65520 is the tie to infinity), infinities,
+    signed zeros, NaN; then random values at every scale. 1,001 in all, so a vector build's
+    8-lane loop leaves a tail for the scalar one."""
+    ulp = 2.0 ** -10
+    edges = [0.0, -0.0, 1.0, 1.0 + ulp / 2, 1.0 + 3 * ulp / 2, -(1.0 + ulp / 2), 2.0 ** -14, 2.0 ** -14 * (1 - 2 ** -12),
+             2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * (1 + 2 ** -20), 3 * 2.0 ** -26, 5 * 2.0 ** -26, 2.0 ** -26,
+             65504.0, 65519.99, 65520.0, -65520.0, 1e6, float("inf"), float("-inf"), float("nan"), 1e-30, -1e-30]
+    gen = torch.Generator().manual_seed(11)
+    scales = 10.0 ** torch.randint(-9, 6, (1001 - len(edges),), generator=gen).float()
+    return torch.cat([torch.tensor(edges), torch.randn(1001 - len(edges), generator=gen) * scales]).float()
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_float16_stores_round_as_torch_does(build, request):
+    """A float16 KV pool (kvCache.dtype) is written by torch in the lean forward and by the C step
+    in the fused one: a sequence's K/V must be the same halves whichever wrote them."""
+    kernels = request.getfixturevalue(build)
+    x = _float16_cases()
+    got, want = kernels.to_float16(x), x.to(torch.float16)
+    print(f"\nfloat16 stores on {kernels.name}: {int((got.view(torch.int16) != want.view(torch.int16)).sum())} of "
+          f"{x.numel()} differ from torch's")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+

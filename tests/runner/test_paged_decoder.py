@@ -48,11 +48,13 @@ def tiny_llama(tmp_path_factory):
     return build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
 
 
-def _runner(path, dtype: str = "float32", quantization: str = "none"):
+def _runner(path, dtype: str = "float32", quantization: str = "none", kv_cache_dtype: str = "float32"):
+    """A runner over a 32-block pool; an fp32 pool unless asked (a quantized model's default is float16)."""
     from magnitude.runner import ModelRunner
 
     return ModelRunner(str(path), device="cpu", dtype=dtype, block_size=BLOCK, num_blocks=32, seed=0,
-                       num_threads=1, quantization=quantization, evaluate_quantization=False, warmup=False)
+                       num_threads=1, quantization=quantization, evaluate_quantization=False, warmup=False,
+                       kv_cache_dtype=kv_cache_dtype)
 
 
 def _compare(runner, seed: int = 0, seqs=SEQS) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -16,7 +16,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from magnitude.runner.defaults import choose_weights, cpu_flags, fallback, q4_1_gguf
+from magnitude.runner.defaults import choose_kv_cache_dtype, choose_weights, cpu_flags, fallback, q4_1_gguf
 
 from .conftest import free_port
 from .test_quantization_record import _wait_loaded
@@ -50,6 +50,28 @@ def test_a_flag_given_decides_and_cuda_is_bf16_without_quantization():
     assert (c.dtype, c.quantization) == (None, "none") and "cuda" in c.reason
     f = fallback(choose_weights(None, None, "cpu", True, AVX2), ["top-1 agreement 0.5 < 0.9"])
     assert (f.dtype, f.quantization, f.chosen_by) == ("float32", "none", "fallback") and "0.5 < 0.9" in f.reason
+
+
+@pytest.mark.parametrize("requested,device,quantization,model_dtype,expected", [
+    ("auto", "cpu", "w4a16", "float32", "float16"),  # beside quantized weights: half the bytes a token costs
+    ("auto", "cpu", "w8a8", "float32", "float16"),
+    ("auto", "cpu", "none", "float32", "float32"),  # the exact reference stays exact
+    ("auto", "cpu", "none", "bfloat16", "float32"),
+    ("auto", "cuda", "none", "bfloat16", "bfloat16"),
+    ("float32", "cpu", "w4a16", "float32", "float32"),  # as given
+    ("float16", "cpu", "none", "float32", "float16"),
+])
+def test_the_kv_cache_dtype_rule(requested, device, quantization, model_dtype, expected):
+    dtype, reason = choose_kv_cache_dtype(requested, device, quantization, model_dtype)
+    assert dtype == expected and reason
+
+
+def test_a_kv_cache_dtype_it_does_not_store_is_refused_by_name():
+    with pytest.raises(ValueError, match="kvCache.dtype"):
+        choose_kv_cache_dtype("bfloat16", "cpu", "none", "float32")
+    r = subprocess.run(serve_cmd("--runner", "simulated", "--set", "kvCache.dtype=int8"), env=env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "kvCache.dtype" in r.stderr, r.stderr
 
 
 def test_cpu_flags_and_the_bundled_gguf_is_q4_1(tmp_path: Path):
@@ -94,8 +116,12 @@ def test_serve_without_flags_loads_the_default_for_this_cpu_and_falls_back_when_
         weights = r.json()["weights"]
         assert weights == expected.to_document(), weights
         assert f"weights: dtype {expected.dtype}, quantization {expected.quantization} (default: " in log.read_text()
+        kv_dtype = "float16" if expected.quantization != "none" else "float32"
+        assert r.json()["kv_cache"]["dtype"] == kv_dtype, r.json()["kv_cache"]
         if expected.quantization != "none":
+            # the record judged the quantized weights over the float16 pool they are served with
             assert r.json()["quantization"]["passed"], r.json()["quantization"]
+            assert r.json()["quantization"]["kv_cache_dtype"] == "float16", r.json()["quantization"]
     if expected.quantization == "none":
         return  # nothing quantized here, so nothing to fall back from
     # w4a16 is exact to the file, so on some CPUs its record is perfect (KL 0.0) and no threshold
@@ -110,6 +136,7 @@ def test_serve_without_flags_loads_the_default_for_this_cpu_and_falls_back_when_
         weights = r.json()["weights"]
         assert (weights["dtype"], weights["quantization"], weights["chosen_by"]) == ("float32", "none", "fallback")
         assert "failed its evaluation record" in weights["reason"] and "quantization" not in r.json()
+        assert r.json()["kv_cache"]["dtype"] == "float32"  # the exact fallback's pool is exact too
         assert "default weights: w4a16 failed its evaluation record" in log.read_text()
 
 

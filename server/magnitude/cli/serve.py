@@ -261,6 +261,7 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
                 num_blocks=config.kv_cache.num_blocks,
                 num_swap_blocks=config.kv_cache.swap_blocks,
                 memory_fraction=config.kv_cache.memory_fraction,
+                kv_cache_dtype=config.kv_cache.dtype,
                 progress=progress,
                 draft_proposer=NgramProposer() if config.draft_model is not None and config.draft_model.method == "ngram"
                 else None,
@@ -280,8 +281,8 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
                 del runner
                 runner = make_runner(choice)
         runner.weights_choice = choice  # /readyz `weights`
-        log.info("weights: dtype %s, quantization %s (%s: %s)", str(runner.dtype).removeprefix("torch."),
-                 runner.quantization, choice.chosen_by, choice.reason)
+        log.info("weights: dtype %s, quantization %s (%s: %s); KV cache %s (%s)", str(runner.dtype).removeprefix("torch."),
+                 runner.quantization, choice.chosen_by, choice.reason, runner.kv_cache_dtype, runner.kv_cache_dtype_reason)
         if args.served_model_name:
             runner.model_name = args.served_model_name
         if args.cost_model is None:

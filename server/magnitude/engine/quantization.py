@@ -39,6 +39,7 @@ class QuantizationRecord:
     isa: str  # the CPU kernels the figures were measured with (torch's capability + CPU flags)
     torch_version: str
     seconds: float  # how long the evaluation took
+    kv_cache_dtype: str = "float32"  # the KV pool the quantized side ran over (the reference's: float32)
     cached: bool = False  # read back from the cache instead of measured by this process
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -105,5 +106,6 @@ def summary(record: QuantizationRecord, verdict: Verdict) -> dict[str, Any]:
         "isa": record.isa,
         "torch_version": record.torch_version,
         "dtype": record.dtype,
+        "kv_cache_dtype": record.kv_cache_dtype,
         "cached": record.cached,
     }

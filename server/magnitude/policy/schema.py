@@ -159,7 +159,7 @@ class SchedulerPolicy(PolicyModel):
 
 
 class KVCachePolicy(PolicyModel):
-    """The paged KV cache: block geometry, capacity, host swap space, prefix caching."""
+    """The paged KV cache: block geometry, capacity, element type, host swap space, prefix caching."""
 
     block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV block.")
     num_blocks: int | None = Field(
@@ -172,6 +172,13 @@ class KVCachePolicy(PolicyModel):
         "(a tenth of the weights) and the KV cache may use together.",
     )
     swap_blocks: int = Field(default=0, ge=0, le=10_000_000, description="Host blocks for swap preemption.")
+    dtype: Literal["auto", "float32", "float16"] = Field(
+        default="auto",
+        description="What the KV cache stores keys and values in; attention sums in float32 either way. "
+        "auto: float16 beside quantized weights on the CPU (half the memory a token costs; the "
+        "quantization's evaluation record measures the model with it), float32 beside unquantized "
+        "weights on the CPU (exact), the model's dtype on a GPU.",
+    )
     enable_prefix_caching: bool = Field(default=True, description="Reuse full blocks of identical prefixes.")
 
 

@@ -254,12 +254,14 @@ def paged_attention_forward(
     layer = module.layer_idx
     k_cache, v_cache = batch.k_layers[layer], batch.v_layers[layer]
     out_dtype = query.dtype
-    # Write first: a sequence's new tokens attend to themselves through the cache. The cache may be
-    # wider than the model (fp32 cache for a bf16 model on CPU): attention then runs in its dtype.
+    # Write first: a sequence's new tokens attend to themselves through the cache. Attention runs in
+    # the wider of the cache's and the model's dtypes: fp32 for a bf16 model over an fp32 cache on
+    # the CPU, and for any model over a float16 cache (kvCache.dtype), whose K/V are read widened.
+    compute = torch.promote_types(k_cache.dtype, out_dtype)
     k_cache.index_copy_(0, batch.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, batch.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
-    q_rows = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, heads, head_dim]
+    q_rows = query[0].transpose(0, 1).to(compute)  # [T, heads, head_dim]
     heads, head_dim = q_rows.shape[1], q_rows.shape[2]
     kv_heads = k_cache.shape[1]
     k_blocks = k_cache.view(-1, batch.block_size, kv_heads, head_dim)
@@ -272,7 +274,7 @@ def paged_attention_forward(
             q = q_rows[g.q_index].transpose(1, 2)  # [B, heads, Qmax, D]
         if g.kv_first_slot is not None:
             kv = slice(g.kv_first_slot, g.kv_first_slot + g.kv_len)
-            k, v = k_cache[kv][None].transpose(1, 2), v_cache[kv][None].transpose(1, 2)
+            k, v = k_cache[kv][None].to(compute).transpose(1, 2), v_cache[kv][None].to(compute).transpose(1, 2)
         else:
             b, nb = g.kv_blocks.shape
             if g.k_buf is None:
@@ -280,8 +282,8 @@ def paged_attention_forward(
             flat = g.kv_blocks.view(-1)
             torch.index_select(k_blocks, 0, flat, out=g.k_buf)
             torch.index_select(v_blocks, 0, flat, out=g.v_buf)
-            k = g.k_buf.view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
-            v = g.v_buf.view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2)
+            k = g.k_buf.view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].to(compute).transpose(1, 2)
+            v = g.v_buf.view(b, nb * batch.block_size, kv_heads, head_dim)[:, : g.kv_len].to(compute).transpose(1, 2)
         mask, causal = _group_mask(g, window, query.device)
         if softcap:
             res = softcapped_attention(q, k, v, mask, causal, scaling, softcap)

@@ -210,8 +210,8 @@ def _cpu_model() -> str:
 
 def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int]) -> str:
     """What the measured times depend on: model source and pinned revision, dtype, weight format,
-    device, CPU model and ISA, torch version (quant_eval.cache_key adds the last two), threads, and
-    the grid itself."""
+    KV pool dtype, device, CPU model and ISA, torch version (quant_eval.cache_key adds the last two),
+    threads, and the grid itself."""
     import torch
 
     from magnitude.runner.quant_eval import cache_key, kernel_description
@@ -226,6 +226,8 @@ def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int]) -> str:
         str(runner.dtype), getattr(runner, "quantization", "none") or "none", device, _cpu_model(),
         f"threads={torch.get_num_threads()}", f"block={runner.block_size}", json.dumps(grid),
         kernel_description(getattr(runner, "quantization", "none") or "none"),
+        # named only when not fp32, so tables measured over an fp32 pool keep their keys
+        *([f"kv={kv_dtype}"] if (kv_dtype := getattr(runner, "kv_cache_dtype", "float32")) != "float32" else []),
     )
 
 

@@ -18,6 +18,9 @@ The quantized choice is gated by its evaluation record: when the record fails th
 thresholds, `magnitude serve` reloads with `fallback()` (fp32, none) and says so, rather than
 refusing to serve as it does for a quantization asked for by name. An explicit dtype or
 quantization is used as given (`--dtype float32 --quantization none` is the exact reference).
+
+The KV pool's dtype (`kvCache.dtype`, `choose_kv_cache_dtype`) follows the weights: float16 beside
+quantized weights on the CPU, float32 beside unquantized ones, the model's dtype on CUDA.
 """
 
 from __future__ import annotations
@@ -90,6 +93,29 @@ def choose_weights(dtype: str | None, quantization: str | None, device_type: str
     return WeightsChoice("float32", "none", "default",
                          "CPU without native bf16 (no amx_bf16/avx512_bf16), checkpoint not Q4_1: float32, "
                          "exact to the file")
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+
+
+def choose_kv_cache_dtype(requested: str, device_type: str, quantization: str, model_dtype: str) -> tuple[str, str]:
+    """(dtype, reason) of the KV pool for `kvCache.dtype`: as given, or for `auto`
+    - CPU, quantized weights: float16 (half the bytes a token costs in memory and in every decode's
+      attention reads; attention still sums in fp32). The quantization's evaluation record measures
+      the model with this pool against the fp32 reference, so the record that gates a default
+      quantization gates this too;
+    - CPU, unquantized weights: float32, the exact reference (a bf16 model's too: torch's SDPA on
+      the CPU is slower in bf16, and its K/V then lose nothing);
+    - CUDA: the model's dtype."""
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"kvCache.dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {requested!r}")
+    if requested != "auto":
+        return requested, "kvCache.dtype"
+    if device_type != "cpu":
+        return model_dtype, f"{device_type}: the model's dtype"
+    if quantization != "none":
+        return "float16", f"CPU, {quantization} weights: float16 K/V, judged with them by the evaluation record"
+    return "float32", "CPU, unquantized weights: float32 K/V, exact"
 
 
 def fallback(choice: WeightsChoice, failures: list[str]) -> WeightsChoice:

@@ -13,11 +13,12 @@ every weight first: the pages are then given back as quantizing goes.)
 Only pages wholly inside a contiguous tensor's bytes and inside a file mapping are asked for.
 `MADV_PAGEOUT` never loses data: a clean page is dropped and comes back from the file on the next
 read (a page shared with a weight still in use, such as tied embeddings, costs a re-read); a page
-written since it was mapped is private memory and, with no swap, stays. What it lowers is the
+written since it was mapped is private memory and, with no swap, stays; and the kernel skips a page
+another process maps too (a second engine on the same checkpoint file), which stays resident. What it lowers is the
 process's resident set; the file's pages may stay in the page cache, which the kernel reclaims
 under pressure. Elsewhere than Linux, or on an older kernel, it does nothing.
 
-`page_out_gpu_libraries()`: torch's CUDA wheels map a dozen CUDA libraries at import, whose pages
+`page_out_gpu_libraries()`: torch's CUDA wheels map a dozen CUDA libraries (and Triton's compiler) at import, whose pages
 the dynamic loader touched (about 150 MiB resident with torch 2.15 + CUDA 13); a runner on the CPU
 never executes them, so it asks for them back the same way (a page read later comes back from the
 file).
@@ -40,9 +41,10 @@ import torch
 
 _MAPS = Path("/proc/self/maps")
 _MADV_PAGEOUT = 21  # Linux 5.4+; not exported by the mmap module on every Python build
-# CUDA's own libraries and torch's CUDA parts, as torch's CUDA wheels ship them (nvidia-* packages).
+# CUDA's own libraries and torch's CUDA parts, as torch's CUDA wheels ship them (nvidia-* packages), and
+# Triton's compiler (a GPU kernel compiler torch imports with its inductor: ~66 MiB resident, never run here).
 GPU_LIBRARY = re.compile(r"/lib(cublas|cudnn|cufft|curand|cusolver|cusparse|cufile|cupti|cudart|nccl|nvJitLink|nvrtc"
-                         r"|nvshmem|nvToolsExt|torch_cuda|c10_cuda)[^/]*\.so[^/]*$")
+                         r"|nvshmem|nvToolsExt|torch_cuda|c10_cuda|triton)[^/]*\.so[^/]*$")
 
 
 def file_backed_ranges() -> list[tuple[int, int]]:

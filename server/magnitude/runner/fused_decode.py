@@ -7,7 +7,8 @@ Mistral, Qwen2) with fp32 activations, SiLU, and every projection in w4a16 (or e
 Magnitude's kernels, `fused_decoder` returns a forward that runs all layers in C: RMSNorm, the fused
 q/k/v product, RoPE with the model's own cos/sin, the K/V write into the paged pool, grouped-query
 attention over each row's blocks (its sliding window, if any), the output projection, the SiLU-gated
-MLP, both residuals and the final norm. The embeddings and the rotary table stay in torch. It takes
+MLP, both residuals and the final norm; the pool may hold fp32 or float16 K/V (kvCache.dtype), the
+attention summing in fp32 either way. The embeddings and the rotary table stay in torch. It takes
 decode steps and steps whose prefill chunks attend to few enough keys (`runs_fused`); a step with
 more, where SDPA's block products win, and every other model go through the lean forward.
 
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                      "block_size", "table_width")] + \
-               [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act_int8", ctypes.c_int64)]
+               [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act_int8", ctypes.c_int64),
+                ("kv_f16", ctypes.c_int64)]
 
 
 _LAYER_POINTERS = ("in_norm", "post_norm", "qkv_codes", "qkv_scales", "qkv_mins", "qkv_bias", "o_codes", "o_scales",
@@ -125,6 +127,8 @@ class _RopeTable:
 # at 96k keys still won), and it counts every key before a row's position even under a sliding window.
 FUSED_MAX_CHUNK_ROWS = 64
 FUSED_MAX_CHUNK_KEYS = 64_000
+# KV pools the C code reads and writes (kvCache.dtype float32 or float16; attention sums in fp32).
+FUSED_POOL_DTYPES = (torch.float32, torch.float16)
 
 
 def runs_fused(batch: PagedBatch) -> bool:
@@ -218,8 +222,9 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         if not choose(batch):
             return None
         pool = batch.k_layers
-        if len(pool) < len(layers) or any(t.dtype != torch.float32 or not t.is_contiguous()
-                                          for t in (*pool[: len(layers)], *batch.v_layers[: len(layers)])):
+        caches = (*pool[: len(layers)], *batch.v_layers[: len(layers)])
+        if len(pool) < len(layers) or pool[0].dtype not in FUSED_POOL_DTYPES \
+                or any(t.dtype != pool[0].dtype or not t.is_contiguous() for t in caches):
             return None
         tables = np.ascontiguousarray(batch.row_tables, dtype=np.int64)
         positions = np.ascontiguousarray(batch.row_positions, dtype=np.int64)
@@ -235,7 +240,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         for i in range(len(layers)):
             table[i].k_cache = pool[i].data_ptr()
             table[i].v_cache = batch.v_layers[i].data_ptr()
-        d = _Dims(block_size=batch.block_size, table_width=tables.shape[1], **dims)
+        d = _Dims(block_size=batch.block_size, table_width=tables.shape[1], kv_f16=int(pool[0].dtype == torch.float16),
+                  **dims)
         rc = lib.magnitude_decode_layers(ctypes.byref(d), table, len(layers), h.data_ptr(), h.shape[0],
                                          positions.ctypes.data, tables.ctypes.data, cos.data_ptr(), sin.data_ptr(),
                                          final_norm.data_ptr(), final_eps, torch.get_num_threads())

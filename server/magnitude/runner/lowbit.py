@@ -107,6 +107,12 @@ class LowbitKernels:
                                         y.data_ptr(), torch.get_num_threads())
         return y
 
+    def to_float16(self, x: torch.Tensor) -> torch.Tensor:
+        """x (fp32, contiguous) rounded to float16 as the fused step stores K/V in a float16 pool."""
+        out = torch.empty(x.shape, dtype=torch.float16)
+        self.lib.magnitude_to_f16(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
+
 
 def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (q [M, K] int8 values as fp32, d [M, K/32]): the rounding the w4a8 products
@@ -140,6 +146,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     # runner/fused_decode.py
     lib.magnitude_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, ctypes.c_float, i32]
     lib.magnitude_decode_layers.restype = ctypes.c_int
+    lib.magnitude_to_f16.argtypes = [p, p, i64]
+    lib.magnitude_to_f16.restype = None
 
 
 def _cpu_identity() -> str:

@@ -542,7 +542,7 @@ typedef struct {
     const uint8_t *o_codes; const float *o_scales, *o_mins, *o_bias;
     const uint8_t *gu_codes; const float *gu_scales, *gu_mins, *gu_bias;        /* gate, up stacked */
     const uint8_t *down_codes; const float *down_scales, *down_mins, *down_bias;
-    float *k_cache, *v_cache;                          /* [slots][kv_heads][head_dim] */
+    void *k_cache, *v_cache;                           /* [slots][kv_heads][head_dim], fp32 or fp16 */
     int64_t window;                                    /* keys with pos - key_pos < window; 0: all */
 } magnitude_layer;
 
@@ -550,6 +550,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, table_width;
     float eps, scaling;
     int64_t act_int8;                                  /* 1: the products take int8 activations (w4a8) */
+    int64_t kv_f16;                                    /* 1: the pool holds IEEE half floats, else fp32 */
 } magnitude_dims;
 
 /* A thread's int8 copy of the rows it multiplies (w4a8): q [m][k], d and s [m][k/32]. */
@@ -621,6 +622,59 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
     }
 }
 
+/* IEEE half <-> fp32 for a KV pool kept in float16 (kvCache.dtype). Rounding to nearest even, with
+   subnormals, infinities and NaN, bit for bit what torch's `.to(torch.float16)` and F16C's
+   vcvtps2ph give: the lean forward writes the same pool through torch, and a sequence's K/V must
+   not depend on which forward wrote it. Integer arithmetic only, so no compiler contraction or
+   flush-to-zero setting can change a result. */
+static inline uint16_t fp16_from_fp32(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);       /* NaN: the quiet one */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);      /* 65520 and up round to infinity */
+    if (ax >= 0x38800000u)                                         /* a normal half: 2^-14 and up */
+        return (uint16_t)(sign | ((ax + 0x0fffu + ((ax >> 13) & 1u) - 0x38000000u) >> 13));
+    if (ax < 0x33000000u) return (uint16_t)sign;                   /* at most 2^-25: zero */
+    const uint32_t shift = 126u - (ax >> 23), mant = (ax & 0x7fffffu) | 0x800000u;
+    uint32_t q = mant >> shift;                                    /* a subnormal half: q * 2^-24 */
+    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+}
+
+static inline float fp32_from_fp16(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t x;
+    if (e == 0x1fu) x = sign | 0x7f800000u | (m << 13);
+    else if (e) x = sign | ((e + 112u) << 23) | (m << 13);
+    else {
+        float v = (float)m * 5.9604644775390625e-8f;               /* m * 2^-24, exact */
+        return sign ? -v : v;
+    }
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
+/* n values from fp32 into the pool's element type. */
+static void store_kv(void *dst, const float *src, int64_t n, int f16) {
+    if (!f16) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *h = dst;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) h[i] = fp16_from_fp32(src[i]);
+}
+
+/* For tests: n fp32 values to half floats as the fused step stores K/V. */
+void magnitude_to_f16(const float *src, uint16_t *dst, int64_t n) { store_kv(dst, src, n, 1); }
+
 /* One row's KV head: RoPE on its k and on the query heads that read it, then k and v into the
    row's slot of the pool. */
 static void rope_and_store(const magnitude_dims *d, const magnitude_layer *L, float *qkv_row, int64_t pos,
@@ -631,9 +685,9 @@ static void rope_and_store(const magnitude_dims *d, const magnitude_layer *L, fl
     float *v = qkv_row + (d->heads + d->kv_heads) * D + kvh * D;
     for (int64_t j = 0; j < rep; j++) rope(q0 + j * D, cos, sin, D);
     rope(k, cos, sin, D);
-    int64_t slot = table[pos / bs] * bs + pos % bs;
-    memcpy(L->k_cache + (slot * d->kv_heads + kvh) * D, k, (size_t)D * sizeof(float));
-    memcpy(L->v_cache + (slot * d->kv_heads + kvh) * D, v, (size_t)D * sizeof(float));
+    const int64_t at = (table[pos / bs] * bs + pos % bs) * d->kv_heads + kvh, esize = d->kv_f16 ? 2 : 4;
+    store_kv((char *)L->k_cache + at * D * esize, k, D, (int)d->kv_f16);
+    store_kv((char *)L->v_cache + at * D * esize, v, D, (int)d->kv_f16);
 }
 
 /* The first key a query at `pos` reads: its sliding window's start, else 0. */
@@ -651,9 +705,10 @@ static inline int64_t keys_in_segment(int64_t p, int64_t n, int64_t pos, int64_t
 }
 
 /* softmax(q K^T * scaling) V for one query head over the row's keys (positions first..pos), read
-   from the pool block by block. DIM is the head size when known at compile time (0: d->head_dim),
-   so that q and the output stay in registers. */
-#define DEFINE_ATTEND(NAME, DIM)                                                                   \
+   from the pool block by block, its elements of type T read as CVT(x). DIM is the head size when
+   known at compile time (0: d->head_dim), so that q and the output stay in registers. */
+#define AS_FLOAT(x) (x)
+#define DEFINE_ATTEND(NAME, DIM, T, CVT)                                                           \
 static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, float *out,   \
                  int64_t first, int64_t pos, const int64_t *table, int64_t kvh, float *scores) {   \
     const int64_t D = DIM ? DIM : d->head_dim, bs = d->block_size, stride = d->kv_heads * D;      \
@@ -661,11 +716,11 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
     float mx = -INFINITY;                                                                          \
     for (int64_t p = first; p <= pos;) {                                                           \
         int64_t blk = p / bs, in = p % bs, n = bs - in < pos + 1 - p ? bs - in : pos + 1 - p;      \
-        const float *kt = L->k_cache + (table[blk] * bs + in) * stride + kvh * D;                  \
+        const T *kt = (const T *)L->k_cache + (table[blk] * bs + in) * stride + kvh * D;          \
         for (int64_t i = 0; i < n; i++, kt += stride) {                                            \
             float acc = 0.f;                                                                       \
             _Pragma("omp simd reduction(+:acc)")                                                   \
-            for (int64_t e = 0; e < D; e++) acc += q[e] * kt[e];                                   \
+            for (int64_t e = 0; e < D; e++) acc += q[e] * CVT(kt[e]);                              \
             acc *= scaling;                                                                        \
             scores[p - first + i] = acc;                                                           \
             mx = acc > mx ? acc : mx;                                                              \
@@ -680,11 +735,11 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
     for (int64_t e = 0; e < D; e++) o[e] = 0.f;                                                    \
     for (int64_t p = first; p <= pos;) {                                                           \
         int64_t blk = p / bs, in = p % bs, n = bs - in < pos + 1 - p ? bs - in : pos + 1 - p;      \
-        const float *vt = L->v_cache + (table[blk] * bs + in) * stride + kvh * D;                  \
+        const T *vt = (const T *)L->v_cache + (table[blk] * bs + in) * stride + kvh * D;          \
         for (int64_t i = 0; i < n; i++, vt += stride) {                                            \
             float w = scores[p - first + i];                                                       \
             _Pragma("omp simd")                                                                    \
-            for (int64_t e = 0; e < D; e++) o[e] += w * vt[e];                                     \
+            for (int64_t e = 0; e < D; e++) o[e] += w * CVT(vt[e]);                                \
         }                                                                                          \
         p += n;                                                                                    \
     }                                                                                              \
@@ -692,10 +747,12 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
     for (int64_t e = 0; e < D; e++) out[e] = o[e] * inv;                                           \
 }
 #ifndef __AVX2__
-DEFINE_ATTEND(attend_64, 64)
-DEFINE_ATTEND(attend_128, 128)
+DEFINE_ATTEND(attend_64, 64, float, AS_FLOAT)
+DEFINE_ATTEND(attend_128, 128, float, AS_FLOAT)
 #endif
-DEFINE_ATTEND(attend_any, 0)
+DEFINE_ATTEND(attend_any, 0, float, AS_FLOAT)
+/* A float16 pool: the generic loop at any head size (an AVX2 build with F16C takes the vector one). */
+DEFINE_ATTEND(attend_any_f16, 0, uint16_t, fp32_from_fp16)
 
 #ifdef __AVX2__
 /* e^x for x <= 0 (scores minus their maximum), 8 lanes: Cephes' expf polynomial (within 2 ulp of
@@ -727,8 +784,10 @@ static inline __m256 exp_nonpositive(__m256 x) {
    (set by its own position and the block boundaries), so its result is the same whichever rows and
    heads share the call, the batch or the thread. scores: R * nh * ld_s floats, ld_s >= the last
    row's key count (p0 + R). out's first lane holds each query's running maximum until the weighted
-   sum. */
-#define DEFINE_ATTEND_AVX2(NAME, DIM)                                                              \
+   sum. The pool's elements are of type T, LOAD8(p) giving the 8 floats at p. */
+#define LOAD8_F32(p) _mm256_loadu_ps(p)
+#define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define DEFINE_ATTEND_AVX2(NAME, DIM, T, LOAD8)                                                    \
 static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, int64_t ldq,  \
                  float *out, int64_t ldo, int64_t R, int64_t p0, const int64_t *table, int64_t h0, \
                  int64_t nh, int64_t rep, float *scores, int64_t ld_s) {                           \
@@ -739,13 +798,14 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
         for (int64_t j = 0; j < nh; j++) out[i * ldo + j * DIM] = -INFINITY;                       \
     for (int64_t p = first_key(p0, L->window); p <= last;) {                                       \
         int64_t blk = p / bs, in = p % bs, n = bs - in < last + 1 - p ? bs - in : last + 1 - p;    \
-        const float *k0 = L->k_cache + (table[blk] * bs + in) * stride;                           \
+        const T *k0 = (const T *)L->k_cache + (table[blk] * bs + in) * stride;                    \
         for (int64_t j = 0; j < nh; j++)                                                           \
             for (int64_t i = 0; i < R; i++) {                                                      \
                 int64_t lo, hi;                                                                    \
                 const int64_t fi = keys_in_segment(p, n, p0 + i, L->window, &lo, &hi);             \
                 if (lo >= hi) continue;                                                            \
-                const float *qj = q + i * ldq + j * DIM, *kt = k0 + (lo - p) * stride + (h0 + j) / rep * DIM; \
+                const float *qj = q + i * ldq + j * DIM;                                           \
+                const T *kt = k0 + (lo - p) * stride + (h0 + j) / rep * DIM;                       \
                 float *sj = scores + (i * nh + j) * ld_s, *oj = out + i * ldo + j * DIM;           \
                 __m128 mx4 = _mm_set1_ps(oj[0]);                                                   \
                 int64_t key = lo;                                                                  \
@@ -753,10 +813,10 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                    \
                     for (int e = 0; e < NV; e++) {                                                 \
                         __m256 qe = _mm256_loadu_ps(qj + 8 * e);                                   \
-                        a0 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 8 * e), a0);                 \
-                        a1 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + stride + 8 * e), a1);        \
-                        a2 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 2 * stride + 8 * e), a2);    \
-                        a3 = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kt + 3 * stride + 8 * e), a3);    \
+                        a0 = _mm256_fmadd_ps(qe, LOAD8(kt + 8 * e), a0);                           \
+                        a1 = _mm256_fmadd_ps(qe, LOAD8(kt + stride + 8 * e), a1);                  \
+                        a2 = _mm256_fmadd_ps(qe, LOAD8(kt + 2 * stride + 8 * e), a2);              \
+                        a3 = _mm256_fmadd_ps(qe, LOAD8(kt + 3 * stride + 8 * e), a3);              \
                     }                                                                              \
                     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));     \
                     __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), scaling); \
@@ -766,7 +826,7 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
                 for (; key < hi; key++, kt += stride) {                                            \
                     __m256 acc = _mm256_setzero_ps();                                              \
                     for (int e = 0; e < NV; e++)                                                   \
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * e), _mm256_loadu_ps(kt + 8 * e), acc); \
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * e), LOAD8(kt + 8 * e), acc); \
                     __m128 s = _mm_mul_ss(_mm_set_ss(hsum(acc)), scaling);                         \
                     sj[key - fi] = _mm_cvtss_f32(s);                                               \
                     mx4 = _mm_max_ps(mx4, _mm_shuffle_ps(s, s, 0));                                \
@@ -798,20 +858,20 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
         }                                                                                          \
     for (int64_t p = first_key(p0, L->window); p <= last;) {                                       \
         int64_t blk = p / bs, in = p % bs, n = bs - in < last + 1 - p ? bs - in : last + 1 - p;    \
-        const float *v0 = L->v_cache + (table[blk] * bs + in) * stride;                           \
+        const T *v0 = (const T *)L->v_cache + (table[blk] * bs + in) * stride;                    \
         for (int64_t j = 0; j < nh; j++)                                                           \
             for (int64_t i = 0; i < R; i++) {                                                      \
                 int64_t lo, hi;                                                                    \
                 const int64_t fi = keys_in_segment(p, n, p0 + i, L->window, &lo, &hi);             \
                 if (lo >= hi) continue;                                                            \
-                const float *vt = v0 + (lo - p) * stride + (h0 + j) / rep * DIM;                   \
+                const T *vt = v0 + (lo - p) * stride + (h0 + j) / rep * DIM;                       \
                 const float *sj = scores + (i * nh + j) * ld_s;                                    \
                 float *oj = out + i * ldo + j * DIM;                                               \
                 __m256 o[NV];                                                                      \
                 for (int e = 0; e < NV; e++) o[e] = _mm256_loadu_ps(oj + 8 * e);                   \
                 for (int64_t key = lo; key < hi; key++, vt += stride) {                            \
                     __m256 w = _mm256_broadcast_ss(sj + (key - fi));                               \
-                    for (int e = 0; e < NV; e++) o[e] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * e), o[e]); \
+                    for (int e = 0; e < NV; e++) o[e] = _mm256_fmadd_ps(w, LOAD8(vt + 8 * e), o[e]); \
                 }                                                                                  \
                 for (int e = 0; e < NV; e++) _mm256_storeu_ps(oj + 8 * e, o[e]);                   \
             }                                                                                      \
@@ -824,8 +884,12 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
                 _mm256_storeu_ps(oj, _mm256_mul_ps(_mm256_loadu_ps(oj), _mm256_set1_ps(inv[i * nh + j]))); \
             }                                                                                      \
 }
-DEFINE_ATTEND_AVX2(attend_64_avx2, 64)
-DEFINE_ATTEND_AVX2(attend_128_avx2, 128)
+DEFINE_ATTEND_AVX2(attend_64_avx2, 64, float, LOAD8_F32)
+DEFINE_ATTEND_AVX2(attend_128_avx2, 128, float, LOAD8_F32)
+#ifdef __F16C__
+DEFINE_ATTEND_AVX2(attend_64_avx2_f16, 64, uint16_t, LOAD8_F16)
+DEFINE_ATTEND_AVX2(attend_128_avx2_f16, 128, uint16_t, LOAD8_F16)
+#endif
 #endif
 
 /* Query heads [h0, h1) of R rows at positions p0.. over one block table (row i's q/k/v at
@@ -836,8 +900,12 @@ static void attend(const magnitude_dims *d, const magnitude_layer *L, const floa
                    int64_t ld_s) {
     const int64_t D = d->head_dim, rep = d->heads / d->kv_heads;
 #ifdef __AVX2__
-    if (D == 64) { attend_64_avx2(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
-    if (D == 128) { attend_128_avx2(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
+    if (!d->kv_f16 && D == 64) { attend_64_avx2(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
+    if (!d->kv_f16 && D == 128) { attend_128_avx2(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
+#ifdef __F16C__
+    if (d->kv_f16 && D == 64) { attend_64_avx2_f16(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
+    if (d->kv_f16 && D == 128) { attend_128_avx2_f16(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
+#endif
 #endif
     (void)ld_s;
     for (int64_t i = 0; i < R; i++)
@@ -845,6 +913,7 @@ static void attend(const magnitude_dims *d, const magnitude_layer *L, const floa
             const int64_t pos = p0 + i, first = first_key(pos, L->window);
             const float *q = qkv + i * ldq + head * D;
             float *o = out + i * ldo + head * D;
+            if (d->kv_f16) { attend_any_f16(d, L, q, o, first, pos, table, head / rep, scores); continue; }
 #ifndef __AVX2__
             if (D == 64) { attend_64(d, L, q, o, first, pos, table, head / rep, scores); continue; }
             if (D == 128) { attend_128(d, L, q, o, first, pos, table, head / rep, scores); continue; }

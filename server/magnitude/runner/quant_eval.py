@@ -9,7 +9,9 @@ measurement, and the cache of records. At load, before the engine becomes ready:
 3. top-1 agreement and mean KL(reference || quantized) over the same positions, and each probe's
    check on both answers, make a `QuantizationRecord` (engine/quantization.py), which is judged
    against the config's thresholds by the engine.
-A record is cached by model, revision, method, dtype, ISA, torch version and evaluation-set hash,
+The reference runs over an fp32 KV pool and the quantized model over the pool it is served with
+(a float16 one by default on the CPU, runner/defaults.py), so the record judges both together.
+A record is cached by model, revision, method, dtype, KV dtype, ISA, torch version and evaluation-set hash,
 so a restarted pod (a startup probe's restart included) does not evaluate again.
 """
 
@@ -139,6 +141,14 @@ def probe_prompt_ids(tokenizer: Any, probe: Probe) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def blocks_needed(tokenizer: Any, block_size: int) -> int:
+    """The KV blocks `measure` writes (from the pool's first): the evaluation text's, then every
+    probe's prompt and answer at once."""
+    text = -(-len(tokenizer(EVAL_TEXT)["input_ids"]) // block_size)
+    probes = sum(-(-(len(probe_prompt_ids(tokenizer, p)) + PROBE_MAX_TOKENS) // block_size) for p in PROBES)
+    return max(text, probes)
+
+
 def measure(runner: "ModelRunner") -> Measurement:
     """Run the evaluation set through the runner as it serves: chunked prefill over the KV pool, and
     the probes decoded together as one batch. Called twice at load: on the unquantized model (the
@@ -172,7 +182,8 @@ def make_record(runner: "ModelRunner", ref: Measurement, got: Measurement, metho
         text = runner.tokenizer.decode(answer, skip_special_tokens=True)
         probes.append(ProbeResult(probe.name, ref_text, text, probe.check(ref_text), probe.check(text)))
     return QuantizationRecord(
-        method=method, dtype=str(runner.dtype).removeprefix("torch."), top1_agreement=agree, mean_kl=kl,
+        method=method, dtype=str(runner.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(runner.kv.shape.dtype).removeprefix("torch."), top1_agreement=agree, mean_kl=kl,
         eval_tokens=int(ref.log_probs.shape[0]), probes=probes, eval_set_hash=EVAL_SET_HASH, isa=kernel_description(method),
         torch_version=torch.__version__, seconds=time.perf_counter() - started,
         extra={"int8_kernel": int8_kernel()} if method == "w8a8" else {},
@@ -185,8 +196,9 @@ def cache_key(*parts: str) -> str:
     return hashlib.sha256("|".join([*parts, isa_description(), torch.__version__]).encode()).hexdigest()[:24]
 
 
-def record_key(model_id: str, revision: str, method: str, dtype: torch.dtype) -> str:
-    return cache_key(model_id, revision, method, str(dtype), EVAL_SET_HASH, kernel_description(method))
+def record_key(model_id: str, revision: str, method: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    return cache_key(model_id, revision, method, str(dtype), f"kv {kv_dtype}", EVAL_SET_HASH,
+                     kernel_description(method))
 
 
 def load_cached(directory: Path | None, key: str) -> QuantizationRecord | None:

@@ -32,8 +32,8 @@ decoder layers (q/k/v/o and the MLP's gate/up/down) and the LM head for an `Int8
 int8 with one symmetric scale per output channel, activations quantized per token at run time,
 products in `torch._int_mm` (int8 x int8 -> int32; 3-4x an fp32 matmul at 8-128 rows with AVX-512
 VNNI), or, where that kernel is a slow reference loop (AVX2-only CPUs), exactly the same integers
-through float32 BLAS (`int8_kernel`). Embeddings, norms and attention stay in the model's dtype (the runner's
-CPU KV cache is fp32 either way). The LM head is included because it is memory-bound: 12 rows
+through float32 BLAS (`int8_kernel`). Embeddings, norms and attention stay in the model's dtype (attention sums in fp32 over
+the KV cache, which `kvCache.dtype` keeps in float16 beside quantized weights by default). The LM head is included because it is memory-bound: 12 rows
 through the fp32 49k x 576 head took 18 ms a step, int8 3.3 ms (`bench/step_profile.py`), for a
 mean KL to fp32 of 0.021 instead of 0.016 with the head in fp32 (`bench/int8_quality.py`).
 
@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from magnitude.runner import QUANTIZATIONS, canonical_quantization, lowbit
-from magnitude.runner.file_pages import drop_pages, file_backed_ranges, in_ranges
+from magnitude.runner.file_pages import drop_pages, file_backed_ranges, in_ranges, trim_heap
 
 # The range a symmetric int8 scale maps onto; -128 is left unused so that x and -x quantize alike.
 _QMAX = 127.0
@@ -585,6 +585,9 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
     def replace(parent: nn.Module, name: str, quantized: nn.Module, linear: nn.Linear) -> None:
         setattr(parent, name, quantized)
         drop_pages(linear.weight, mapped)
+        # Each linear's fp32 temporaries are freed into glibc's arenas between the codes kept, where
+        # they would stay resident until loading ends: the load's peak, not its end, bounds a pod.
+        trim_heap()
 
     if method == "w8a16":
         for parent, name, child in targets:
@@ -606,6 +609,7 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
                     fused.update(id(m) for m in members)
                     for m in members:
                         drop_pages(m.weight, mapped)
+                    trim_heap()
         for parent, name, child in targets:
             if id(child) in fused:
                 continue

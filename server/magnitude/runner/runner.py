@@ -18,6 +18,7 @@ step would be had the drafts before it been kept (`Sampler.verify_row`, constrai
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.runner import quant_eval
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
 from magnitude.runner.constraints import advance_constraint, advance_through_drafts, can_draft, settle_drafts
+from magnitude.runner.defaults import choose_kv_cache_dtype
 from magnitude.runner.draft_model import DraftModelProposer, kv_shape, load_draft
 from magnitude.runner.file_pages import page_out_gpu_libraries, trim_heap
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
@@ -103,6 +105,7 @@ class ModelRunner:
         memory_fraction: float = 0.9,
         draft_source: str | None = None,
         draft_quantization: str = "none",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`record_cache`: where quantization evaluation records are kept across restarts (None:
         measure on every load). `evaluate_quantization=False` skips the evaluation (tests of the
@@ -111,7 +114,9 @@ class ModelRunner:
         `draft_source`: a draft model (`self:N` or any model source; runner/draft_model.py) proposes
         the drafts, with a KV pool of its own under the same block ids: a block then costs the
         target's bytes plus the draft's, and memoryFraction sizes the pool from their sum;
-        `draft_quantization` (w8a16, w8a8) quantizes a loaded draft's linears."""
+        `draft_quantization` (w8a16, w8a8) quantizes a loaded draft's linears. `kv_cache_dtype`
+        (`kvCache.dtype`): the KV pool's, `auto` resolved by runner/defaults.py from the device and
+        the quantization."""
         if draft_source is not None and draft_proposer is not None:
             raise ValueError("give a draft_source or a draft_proposer, not both")
         if block_size < 1:
@@ -141,14 +146,14 @@ class ModelRunner:
         self.max_model_len = int(cfg.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
         self.block_size = block_size
+        self.kv_cache_dtype, self.kv_cache_dtype_reason = choose_kv_cache_dtype(
+            kv_cache_dtype, self.device.type, self.quantization, str(self.dtype).removeprefix("torch."))
         shape = KVShape(
             num_layers=int(cfg.num_hidden_layers),
             num_kv_heads=int(cfg.num_key_value_heads),
             head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
             block_size=block_size,
-            # On CPU, torch's SDPA is about 2x slower in bf16 than in fp32 while bf16 matmuls are
-            # about 2x faster (AVX-512 BF16): keep a bf16 model's KV cache and attention in fp32.
-            dtype=torch.float32 if self.device.type == "cpu" else self.dtype,
+            dtype=getattr(torch, self.kv_cache_dtype),
         )
         draft = None
         if draft_source is not None:
@@ -197,13 +202,13 @@ class ModelRunner:
         pool is sized without the weights, so building it first changes nothing."""
         if self.quantization == "none":
             return None
-        key = quant_eval.record_key(source.name, source.revision, self.quantization, self.dtype)
+        key = quant_eval.record_key(source.name, source.revision, self.quantization, self.dtype, self.kv.shape.dtype)
         record = quant_eval.load_cached(record_cache, key)
         started = time.perf_counter()
         reference = None
         if record is None and evaluate:
             report("evaluating_quantization", 0.0)
-            reference = quant_eval.measure(self)
+            reference = self._measure_reference()
             report("evaluating_quantization", 0.5)
         quantize_linears(self.model, self.quantization, self.device, self.tokenizer(CALIBRATION_TEXT)["input_ids"])
         # Built again over the quantized modules: a w4a16/w4a8 model's decode steps may now run fused.
@@ -213,6 +218,20 @@ class ModelRunner:
             quant_eval.save_cached(record_cache, key, record)
             report("evaluating_quantization", 1.0)
         return record
+
+    def _measure_reference(self) -> "quant_eval.Measurement":
+        """The evaluation's reference: this unquantized model over an fp32 KV pool, so that a record
+        also judges a float16 pool served beside the quantized weights (`kvCache.dtype`)."""
+        served = self.kv
+        if served.shape.dtype != torch.float32:
+            # Only the blocks the measurement writes: one as large as the served pool (sized from
+            # memoryFraction for the narrower dtype) could be more address space than the host allows.
+            blocks = min(served.num_blocks, quant_eval.blocks_needed(self.tokenizer, self.block_size))
+            self.kv = PagedKVPool(dataclasses.replace(served.shape, dtype=torch.float32), blocks, 0, served.device)
+        try:
+            return quant_eval.measure(self)
+        finally:
+            self.kv = served
 
     def _warmup(self, report: Callable[[str, float], None]) -> None:
         """Run a prefill and a decode through block 0 so first-request latency excludes lazy init.
@@ -399,8 +418,8 @@ class ModelRunner:
 
     def _blocks_for(self, n: int) -> list[int]:
         need = -(-n // self.block_size)
-        if need > self.num_blocks:
-            raise ValueError(f"{n} tokens need {need} KV blocks; the pool has {self.num_blocks}")
+        if need > self.kv.num_blocks:  # the pool in use: the evaluation's reference has its own
+            raise ValueError(f"{n} tokens need {need} KV blocks; the pool has {self.kv.num_blocks}")
         return list(range(need))
 
     @torch.inference_mode()

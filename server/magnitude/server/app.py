@@ -176,6 +176,9 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
         choice = getattr(engine.runner, "weights_choice", None)
         if choice is not None:
             record["weights"] = choice.to_document()
+        kv_dtype = getattr(engine.runner, "kv_cache_dtype", None)
+        if kv_dtype is not None:  # kvCache.dtype as resolved (runner/defaults.py)
+            record["kv_cache"] = {"dtype": kv_dtype, "reason": getattr(engine.runner, "kv_cache_dtype_reason", "")}
         if engine.ready:
             # What the scheduler runs with (derived or set): the operator shows it in status.scheduler.
             limits = getattr(engine, "scheduler_limits", None)
