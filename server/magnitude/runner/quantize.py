@@ -578,16 +578,29 @@ def _own_unquantized_parameters(model: nn.Module) -> None:
                 module._buffers[name] = b.clone()
 
 
+TRIM_EVERY = 8  # linears replaced between two trims of glibc's heap while quantizing
+
+
 def _replace_linears(model: nn.Module, method: str, device: torch.device, calibration_ids: list[int] | None) -> int:
     targets = quantization_targets(model)
     mapped = file_backed_ranges()
 
+    replaced = 0
+
+    def trim_now_and_then() -> None:
+        # Each linear's fp32 temporaries are freed into glibc's arenas between the codes kept, where
+        # they would stay resident until loading ends: the load's peak, not its end, bounds a pod.
+        # Every TRIM_EVERY linears: a trim walks every arena, and trimming after each of SmolLM2's
+        # 211 linears added a second to its load for the same peak.
+        nonlocal replaced
+        replaced += 1
+        if replaced % TRIM_EVERY == 0:
+            trim_heap()
+
     def replace(parent: nn.Module, name: str, quantized: nn.Module, linear: nn.Linear) -> None:
         setattr(parent, name, quantized)
         drop_pages(linear.weight, mapped)
-        # Each linear's fp32 temporaries are freed into glibc's arenas between the codes kept, where
-        # they would stay resident until loading ends: the load's peak, not its end, bounds a pod.
-        trim_heap()
+        trim_now_and_then()
 
     if method == "w8a16":
         for parent, name, child in targets:
@@ -609,7 +622,7 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
                     fused.update(id(m) for m in members)
                     for m in members:
                         drop_pages(m.weight, mapped)
-                    trim_heap()
+                    trim_now_and_then()
         for parent, name, child in targets:
             if id(child) in fused:
                 continue
