@@ -17,6 +17,8 @@ Systems (started one at a time on 127.0.0.1, killed after their traces):
   (`--quantization w4a16`);
 - magnitude-default: `magnitude serve` with no --dtype/--quantization and no token budget or chunk
   (this CPU's default weights, scheduler settings derived from the start-up calibration);
+- magnitude-default-f32kv: the same with the KV cache in float32 (`--set kvCache.dtype=float32`;
+  the default's is float16 beside w4a16 weights);
 - magnitude-w4a8: the w4a16 weights times int8-rounded activations (`--quantization w4a8`, what
   llama-server computes for this GGUF), scheduler settings derived as for magnitude-default;
 - hf: bench/hf_static_server.py, stock `generate` on padded groups of 8 (static batching), fp32;
@@ -141,6 +143,7 @@ MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int | None]] = {
     "magnitude-int8": (["--dtype", "float32", "--quantization", "int8"], 128),
     "magnitude-w4a16": (["--dtype", "float32", "--quantization", "w4a16"], 128),  # budget as int8: not swept
     "magnitude-default": ([], None),  # what `magnitude serve` does with nothing set
+    "magnitude-default-f32kv": (["--set", "kvCache.dtype=float32"], None),
     # llama.cpp's own numerics for these weights (Q4_1 x Q8_1); its record fails one probe on
     # SmolLM2 (docs/runner.md), so this run allows one; scheduler settings derived as the default's
     "magnitude-w4a8": (["--dtype", "float32", "--quantization", "w4a8",

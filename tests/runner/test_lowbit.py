@@ -337,23 +337,28 @@ def test_an_unknown_kernel_choice_is_refused_by_name(monkeypatch):
 
 
 def _float16_cases() -> torch.Tensor:
-    """fp32 values whose float16 rounding is easy to get wrong: ties to even, the subnormal range
-    and its bottom (2^-25 is a tie to zero), the top (65520 is the tie to infinity), infinities,
-    signed zeros, NaN; then random values at every scale. 1,001 in all, so a vector build's
-    8-lane loop leaves a tail for the scalar one."""
-    ulp = 2.0 ** -10
-    edges = [0.0, -0.0, 1.0, 1.0 + ulp / 2, 1.0 + 3 * ulp / 2, -(1.0 + ulp / 2), 2.0 ** -14, 2.0 ** -14 * (1 - 2 ** -12),
-             2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * (1 + 2 ** -20), 3 * 2.0 ** -26, 5 * 2.0 ** -26, 2.0 ** -26,
-             65504.0, 65519.99, 65520.0, -65520.0, 1e6, float("inf"), float("-inf"), float("nan"), 1e-30, -1e-30]
+    """fp32 values whose float16 rounding is easy to get wrong: the midpoint between every two
+    neighbouring finite halves, and the fp32 values either side of it (ties to even, subnormal ones
+    included), both signs; the bottom (2^-25 is a tie to zero), the top (65520 is the tie to
+    infinity), infinities, signed zeros, NaN with payloads; random values at every scale. An odd
+    count, so a vector build's 8-lane loop leaves a tail for the scalar one."""
+    halves = torch.arange(0, 0x7BFF, dtype=torch.int32).to(torch.int16).view(torch.float16).double()
+    mids = ((halves[:-1] + halves[1:]) / 2).float()  # exact in fp32: one bit more than a half
+    around = torch.cat([mids, torch.nextafter(mids, torch.tensor(float("inf"))),
+                        torch.nextafter(mids, torch.tensor(0.0))])
+    edges = [0.0, -0.0, 2.0 ** -25, 2.0 ** -25 * (1 + 2 ** -20), 2.0 ** -26, 65504.0, 65519.99, 65520.0, -65520.0,
+             1e6, float("inf"), float("-inf"), 1e-30, -1e-30]
+    nans = torch.tensor([0x7FC00000, 0x7FA00000, 0x7F800001, 0xFFC12345 - (1 << 32)], dtype=torch.int32).view(torch.float32)
     gen = torch.Generator().manual_seed(11)
-    scales = 10.0 ** torch.randint(-9, 6, (1001 - len(edges),), generator=gen).float()
-    return torch.cat([torch.tensor(edges), torch.randn(1001 - len(edges), generator=gen) * scales]).float()
+    scales = 10.0 ** torch.randint(-9, 6, (1001,), generator=gen).float()
+    return torch.cat([around, -around, torch.tensor(edges), nans, torch.randn(1001, generator=gen) * scales]).float()
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
 def test_float16_stores_round_as_torch_does(build, request):
     """A float16 KV pool (kvCache.dtype) is written by torch in the lean forward and by the C step
     in the fused one: a sequence's K/V must be the same halves whichever wrote them."""
+    assert _float16_cases().numel() % 8
     kernels = request.getfixturevalue(build)
     x = _float16_cases()
     got, want = kernels.to_float16(x), x.to(torch.float16)

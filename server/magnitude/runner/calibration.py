@@ -167,6 +167,7 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
             "device": str(runner.device),
             "dtype": str(runner.dtype).removeprefix("torch."),
             "quantization": getattr(runner, "quantization", "none") or "none",
+            "kv_cache_dtype": getattr(runner, "kv_cache_dtype", "float32"),
             "decode_context_tokens": context,
             "repeats": repeats,
             "agreement": agreement,

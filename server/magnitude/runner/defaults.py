@@ -20,7 +20,7 @@ refusing to serve as it does for a quantization asked for by name. An explicit d
 quantization is used as given (`--dtype float32 --quantization none` is the exact reference).
 
 The KV pool's dtype (`kvCache.dtype`, `choose_kv_cache_dtype`) follows the weights: float16 beside
-quantized weights on the CPU, float32 beside unquantized ones, the model's dtype on CUDA.
+w4a16/w4a8 weights on the CPU, float32 beside any other, the model's dtype on CUDA.
 """
 
 from __future__ import annotations
@@ -96,16 +96,19 @@ def choose_weights(dtype: str | None, quantization: str | None, device_type: str
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
+FLOAT16_KV_QUANTIZATIONS = ("w4a16", "w4a8")  # auto's float16 pool: the weights the fused C step runs
 
 
 def choose_kv_cache_dtype(requested: str, device_type: str, quantization: str, model_dtype: str) -> tuple[str, str]:
     """(dtype, reason) of the KV pool for `kvCache.dtype`: as given, or for `auto`
-    - CPU, quantized weights: float16 (half the bytes a token costs in memory and in every decode's
-      attention reads; attention still sums in fp32). The quantization's evaluation record measures
-      the model with this pool against the fp32 reference, so the record that gates a default
-      quantization gates this too;
-    - CPU, unquantized weights: float32, the exact reference (a bf16 model's too: torch's SDPA on
-      the CPU is slower in bf16, and its K/V then lose nothing);
+    - CPU, w4a16 or w4a8 weights (the fused C step's, which reads halves as it attends): float16,
+      half the bytes a token costs in memory and in a decode's attention reads; attention still
+      sums in fp32. The quantization's evaluation record measures the model with this pool against
+      the fp32 reference, so the record that gates a default quantization gates this too;
+    - CPU, any other weights: float32. Unquantized, it is the exact reference (a bf16 model's too:
+      torch's SDPA on the CPU is slower in bf16, and its K/V then lose nothing); w8a16 and w8a8 run
+      torch's attention, which would convert every gathered K/V to fp32 (float16 is not measured
+      for them: set it by name);
     - CUDA: the model's dtype."""
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"kvCache.dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {requested!r}")
@@ -113,8 +116,10 @@ def choose_kv_cache_dtype(requested: str, device_type: str, quantization: str, m
         return requested, "kvCache.dtype"
     if device_type != "cpu":
         return model_dtype, f"{device_type}: the model's dtype"
-    if quantization != "none":
+    if quantization in FLOAT16_KV_QUANTIZATIONS:
         return "float16", f"CPU, {quantization} weights: float16 K/V, judged with them by the evaluation record"
+    if quantization != "none":
+        return "float32", f"CPU, {quantization} weights: float32 K/V (float16 is measured beside w4a16/w4a8 only)"
     return "float32", "CPU, unquantized weights: float32 K/V, exact"
 
 

@@ -623,15 +623,15 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
 }
 
 /* IEEE half <-> fp32 for a KV pool kept in float16 (kvCache.dtype). Rounding to nearest even, with
-   subnormals, infinities and NaN, bit for bit what torch's `.to(torch.float16)` and F16C's
-   vcvtps2ph give: the lean forward writes the same pool through torch, and a sequence's K/V must
+   subnormals and infinities, bit for bit what torch's `.to(torch.float16)` and F16C's vcvtps2ph
+   give for every finite or infinite fp32 (a NaN keeps its sign and payload's top bits, quieted): the lean forward writes the same pool through torch, and a sequence's K/V must
    not depend on which forward wrote it. Integer arithmetic only, so no compiler contraction or
    flush-to-zero setting can change a result. */
 static inline uint16_t fp16_from_fp32(float f) {
     uint32_t x;
     memcpy(&x, &f, sizeof x);
     const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);       /* NaN: the quiet one */
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));  /* NaN, quieted */
     if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);      /* 65520 and up round to infinity */
     if (ax >= 0x38800000u)                                         /* a normal half: 2^-14 and up */
         return (uint16_t)(sign | ((ax + 0x0fffu + ((ax >> 13) & 1u) - 0x38000000u) >> 13));
@@ -751,7 +751,8 @@ DEFINE_ATTEND(attend_64, 64, float, AS_FLOAT)
 DEFINE_ATTEND(attend_128, 128, float, AS_FLOAT)
 #endif
 DEFINE_ATTEND(attend_any, 0, float, AS_FLOAT)
-/* A float16 pool: the generic loop at any head size (an AVX2 build with F16C takes the vector one). */
+/* A float16 pool: the generic loop, converting in C (an AVX2 build with F16C takes the vector one
+   at head sizes 64 and 128). */
 DEFINE_ATTEND(attend_any_f16, 0, uint16_t, fp32_from_fp16)
 
 #ifdef __AVX2__

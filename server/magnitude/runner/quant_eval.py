@@ -152,7 +152,8 @@ def blocks_needed(tokenizer: Any, block_size: int) -> int:
 def measure(runner: "ModelRunner") -> Measurement:
     """Run the evaluation set through the runner as it serves: chunked prefill over the KV pool, and
     the probes decoded together as one batch. Called twice at load: on the unquantized model (the
-    reference), then on the quantized one, so both sides are the same computation but the weights."""
+    reference, over an fp32 KV pool), then on the quantized one over the pool it is served with, so
+    both sides are the same computation but the weights and the KV cache's dtype."""
     text_ids = runner.tokenizer(EVAL_TEXT)["input_ids"]
     log_probs = runner.score_tokens(text_ids, SCORE_CHUNK)
     answers = runner.greedy_tokens([probe_prompt_ids(runner.tokenizer, p) for p in PROBES], PROBE_MAX_TOKENS)
@@ -197,8 +198,9 @@ def cache_key(*parts: str) -> str:
 
 
 def record_key(model_id: str, revision: str, method: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
-    return cache_key(model_id, revision, method, str(dtype), f"kv {kv_dtype}", EVAL_SET_HASH,
-                     kernel_description(method))
+    # the KV dtype named only when not fp32, so records measured over an fp32 pool keep their keys
+    kv = [f"kv {kv_dtype}"] if kv_dtype != torch.float32 else []
+    return cache_key(model_id, revision, method, str(dtype), *kv, EVAL_SET_HASH, kernel_description(method))
 
 
 def load_cached(directory: Path | None, key: str) -> QuantizationRecord | None:

@@ -198,7 +198,7 @@ class ModelRunner:
     def _quantize(self, source: Any, record_cache: Path | None, report: Callable[[str, float], None],
                   evaluate: bool) -> QuantizationRecord | None:
         """Quantize the loaded model in place and return its evaluation record: from the cache, or
-        measured now against this same model before quantizing (quant_eval.py). On the CPU the KV
+        measured now against this same model before quantizing, over an fp32 KV pool (quant_eval.py). On the CPU the KV
         pool is sized without the weights, so building it first changes nothing."""
         if self.quantization == "none":
             return None
@@ -256,8 +256,8 @@ class ModelRunner:
             return f"token id out of range 0..{self.vocab_size - 1}"
         if len(s.block_table) * self.block_size < end:
             return f"block table of {len(s.block_table)} blocks cannot hold {end} positions"
-        if s.block_table and (min(s.block_table) < 0 or max(s.block_table) >= self.num_blocks):
-            return f"block id out of range 0..{self.num_blocks - 1}"
+        if s.block_table and (min(s.block_table) < 0 or max(s.block_table) >= self.kv.num_blocks):
+            return f"block id out of range 0..{self.kv.num_blocks - 1}"
         return None
 
     def _drafts(self, s: ScheduledSeq) -> list[int]:
