@@ -214,3 +214,30 @@ def test_a_float16_pool_halves_a_block_and_its_record_measures_it_against_an_fp3
           f"probes {record.probes_passed}/{record.probes_total}")
     assert record.kv_cache_dtype == "float16"
     assert record.mean_kl > 5e-8 and record.top1_agreement >= 0.99
+
+
+@pytest.mark.model
+def test_a_float16_pool_swaps_out_and_back_bit_for_bit(tmp_path):
+    """Swap preemption over a float16 pool (and its float16 host pool): a sequence swapped out, and
+    back into other blocks, continues exactly as it would have without the swap."""
+    from magnitude.runner import ModelRunner
+
+    from .conftest import Preempt, ToyDriver, ToySeq, greedy
+    from .tiny_models import build_tiny_model
+
+    path = str(build_tiny_model("llama", tmp_path / "m"))
+
+    def run(preempt):
+        runner = ModelRunner(path, device="cpu", dtype="float32", quantization="w4a16", kv_cache_dtype="float16",
+                             num_blocks=32, num_swap_blocks=8, evaluate_quantization=False, warmup=False,
+                             num_threads=1, seed=0)
+        assert runner.kv.host_cache.dtype == torch.float16
+        seqs = [ToySeq(f"r{i}", [(7 * i + j) % 90 + 3 for j in range(11 + 9 * i)], greedy(12)) for i in range(3)]
+        driver = ToyDriver(runner, chunk=8, eos=[])
+        driver.run(seqs, 12, preempt)
+        assert driver.all_free()
+        return [s.out for s in seqs]
+
+    plain = run([])
+    swapped = run([Preempt(5, "r2", "swap", resume_after=2)])
+    assert swapped == plain and all(len(out) == 12 for out in plain)
