@@ -240,10 +240,12 @@ def test_the_runner_loads_a_draft_and_sizes_blocks_for_both_pools(runner, tmp_pa
         ModelRunner(MODEL, draft_source="self:2", draft_proposer=drafter)
 
 
-def test_a_self_draft_shares_the_quantized_targets_embeddings():
+def test_a_self_draft_shares_the_quantized_targets_embeddings(prompt_ids):
     """The self-draft is built before the target is quantized; w4a16 then replaces the tied token
     embeddings by rows read from the int8 LM head's codes, and the draft must use those too, not
-    keep the replaced fp32 matrix (108 MiB) alive and resident."""
+    keep the replaced fp32 matrix (108 MiB) alive and resident. Both pools are float16 (w4a16's
+    default KV dtype): speculative greedy decoding over them gives plain greedy decoding's tokens
+    (the fused step's rows do not depend on the rows verified beside them)."""
     from magnitude.runner import ModelRunner, lowbit
     from magnitude.runner.quantize import Int8GroupEmbedding
 
@@ -251,7 +253,7 @@ def test_a_self_draft_shares_the_quantized_targets_embeddings():
 
     if DEVICE != "cpu" or lowbit.kernels() is None:
         pytest.skip(f"w4a16's grouped head needs Magnitude's CPU kernels: {lowbit.describe()}")
-    both = ModelRunner(MODEL, device=DEVICE, quantization="w4a16", block_size=BLOCK_SIZE, num_blocks=8, warmup=False,
+    both = ModelRunner(MODEL, device=DEVICE, quantization="w4a16", block_size=BLOCK_SIZE, num_blocks=48, warmup=False,
                        evaluate_quantization=False, draft_source=f"self:{SELF_LAYERS}")
     drafter = both.draft_proposer
     inner = both.model.model
@@ -259,6 +261,13 @@ def test_a_self_draft_shares_the_quantized_targets_embeddings():
     for name in ("embed_tokens", "norm", "rotary_emb"):
         assert getattr(drafter.parts.decoder, name) is getattr(inner, name), name
     assert list(drafter.parts.decoder.layers) == list(inner.layers)[:SELF_LAYERS]
+    assert both.kv.k_layers[0].dtype == drafter.pool.k_layers[0].dtype == torch.float16
+    plain = drive_scheduler(both, prompt_ids, _greedy())
+    spec = drive_scheduler(both, prompt_ids, _greedy(), *SPEC)
+    assert spec.outputs == plain.outputs
+    proposed = sum(r.spec_proposed for r in spec.reqs.values())
+    accepted = sum(r.spec_accepted for r in spec.reqs.values())
+    assert proposed > 0 and accepted > 0, (accepted, proposed)
 
 
 def test_block_budget_counts_the_draft_bytes():
