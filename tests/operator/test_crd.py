@@ -90,6 +90,7 @@ INVALID = [
     ("bf16 is a dtype now", {"quantization": "bf16"}, "quantization"),
     ("no fp8 method", {"quantization": "fp8"}, "quantization"),
     ("bad dtype", {"dtype": "int8"}, "dtype"),
+    ("KV cache dtype not stored", {"kvCache": {"dtype": "bfloat16"}}, "kvCache.dtype"),
     ("agreement above 1", {"quantizationEvaluation": {"minTop1Agreement": 1.5}}, "minTop1Agreement"),
     ("agreement below 0", {"quantizationEvaluation": {"minTop1Agreement": -0.1}}, "minTop1Agreement"),
     ("negative KL bound", {"quantizationEvaluation": {"maxMeanKl": -0.01}}, "maxMeanKl"),
