@@ -26,6 +26,28 @@ def test_bad_arguments_exit_2(capsys):
     assert "--itl-target" in capsys.readouterr().err
 
 
+def test_the_kv_cache_dtype_reaches_the_runner_and_a_bad_one_exits_2(monkeypatch, tmp_path, capsys):
+    """A profile measures the pool the deployment serves (`kvCache.dtype`): the flag is the runner's."""
+    import magnitude.runner
+
+    seen = {}
+
+    class _Stop(Exception):
+        pass
+
+    def fake_runner(*args, **kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(magnitude.runner, "ModelRunner", fake_runner)
+    with pytest.raises(_Stop):
+        main(["profile", "--out", str(tmp_path / "c.json"), "--quantization", "w4a16", "--kv-cache-dtype", "float32"])
+    assert seen["kv_cache_dtype"] == "float32" and seen["quantization"] == "w4a16"
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--out", str(tmp_path / "c.json"), "--kv-cache-dtype", "bfloat16"])
+    assert e.value.code == 2 and "--kv-cache-dtype" in capsys.readouterr().err
+
+
 def test_largest_chunk_is_derived_from_the_table():
     doc = {"decode_batch_sizes": [0, 8], "prefill_tokens": [0, 100],
            "seconds": [[0.01, 0.11], [0.05, 0.15]]}

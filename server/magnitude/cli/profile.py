@@ -20,6 +20,7 @@ from pathlib import Path
 from magnitude.cli.errors import UsageError
 from magnitude.runner import QUANTIZATIONS  # torch-free: the package's __init__ only
 from magnitude.runner.calibration import blocks_needed, profile_runner  # torch-free; the engine's calibration too
+from magnitude.runner.defaults import KV_CACHE_DTYPES  # torch-free
 from magnitude.sim.cost import TableCost
 
 DEFAULT_DECODES = "0,1,4,8,16"
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="as for `magnitude serve`")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV pool's dtype, as the engine config's kvCache.dtype (auto: float16 beside w4a16/w4a8 "
+                        "weights on the CPU, else float32): profile what the deployment will serve")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -88,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                              num_blocks=blocks_needed(decodes, prefills, args.context, 16),
                              num_swap_blocks=32, num_threads=args.threads, quantization=args.quantization,
+                             kv_cache_dtype=args.kv_cache_dtype,
                              evaluate_quantization=False)  # timing only: `magnitude serve` judges quality
     except (ModelSourceError, QuantizationError) as e:
         raise UsageError(str(e)) from e
