@@ -37,6 +37,9 @@ Traces (written to the out dir):
   `single_ms_per_token` is the best run's mean gap between output tokens, as the client sees it.
 Prints a table of output tok/s, req/s, TTFT p50/p99, ITL p50/p99, the longest stall, and ratios to
 llama-server; writes summary.json. Numbers depend on the host: run on an otherwise idle machine.
+For Magnitude each trace also reports, from GET /metrics before and after it, the engine's steps
+(`engine_steps`), their mean wall time (`mean_step_ms`) and the scheduler limits the trace ended
+under (`itl_target_ms_end`, `token_budget_end`, `prefill_chunk_end`: the served line moves them).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT / "bench")]
@@ -236,8 +240,10 @@ def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, g
             if name == "single":
                 results[name] = single_stream(path, url, report_path)
             else:
+                before = engine_figures(url)
                 loadgen.main([str(path), "--url", url, "--out", str(report_path), "--timeout", "600"])
                 results[name] = summarize(json.loads(report_path.read_text()), name)
+                results[name] |= trace_figures(before, engine_figures(url))
             print(f"  {system:9} {name:5} {json.dumps({k: _r(v) for k, v in results[name].items()})}", flush=True)
         results["rss"] = {"peak_rss_gb": peak_rss_gb(proc.pid)}
     finally:
@@ -262,6 +268,41 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def engine_figures(url: str) -> dict | None:
+    """Magnitude's own step figures from GET /metrics (None for a server without them): steps run and
+    their summed wall time so far, and the scheduler limits in force now (the served line moves them
+    while traffic runs; docs/scheduler.md), so each trace reports the limits it ended under."""
+    try:
+        response = httpx.get(url + "/metrics", timeout=5.0)
+        families = list(text_string_to_metric_families(response.text)) if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):  # llama-server answers 501 with JSON unless started with --metrics
+        return None
+    found: dict = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name == "magnitude_step_duration_seconds_count":
+                found["steps"] = sample.value
+            elif sample.name == "magnitude_step_duration_seconds_sum":
+                found["step_seconds"] = sample.value
+            elif sample.name == "magnitude_scheduler_itl_target_seconds":
+                found["itl_target_ms_end"] = sample.value * 1000
+            elif sample.name == "magnitude_scheduler_token_budget":
+                found["token_budget_end"] = sample.value
+            elif sample.name == "magnitude_scheduler_prefill_chunk_tokens":
+                found["prefill_chunk_end"] = sample.value
+    return found if "steps" in found else None
+
+
+def trace_figures(before: dict | None, after: dict | None) -> dict:
+    """What the engine did during one trace: its steps, their mean wall time, the limits it ended under."""
+    if not before or not after:
+        return {}
+    steps = after["steps"] - before["steps"]
+    out = {"engine_steps": steps,
+           "mean_step_ms": (after["step_seconds"] - before["step_seconds"]) / steps * 1000 if steps else None}
+    return out | {k: after[k] for k in ("itl_target_ms_end", "token_budget_end", "prefill_chunk_end") if k in after}
+
+
 def peak_rss_gb(pid: int) -> float | None:
     """The server process's peak resident set (VmHWM), read before it is stopped."""
     try:
@@ -280,7 +321,8 @@ def _r(v):
 def print_table(all_results: dict) -> None:
     keys = ["output_tok_s", "req_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "longest_stall", "e2e_p50",
             "chat_ttft_p50", "chat_longest_stall", "long_ttft", "single_ms_per_token", "single_ttft",
-            "peak_rss_gb"]
+            "peak_rss_gb", "engine_steps", "mean_step_ms", "itl_target_ms_end", "token_budget_end",
+            "prefill_chunk_end"]
     width = max(15, *(len(s) + 1 for s in all_results))
     for trace in ("mixed", "moderate", "long", "single", "rss"):
         if not any(trace in r for r in all_results.values()):
