@@ -194,6 +194,22 @@ def test_quantized_weights_stay_close_to_fp32_through_the_paged_runner(runner, q
     assert agreement >= least and kl <= most, (agreement, kl)
 
 
+def test_the_records_kl_taken_in_row_chunks_is_the_whole_matrixs():
+    """agreement_and_kl takes each row's KL a chunk of rows at a time (memory): the same rows, each
+    summed the same way, so the same mean as over the whole [T, vocab] at once."""
+    from magnitude.runner.quant_eval import KL_ROWS
+
+    torch.manual_seed(0)
+    rows = 3 * KL_ROWS + 5
+    reference = torch.log_softmax(torch.randn(rows, 4099), -1)
+    quantized = torch.log_softmax(reference + 0.3 * torch.randn(rows, 4099), -1)
+    quantized[7] = reference[7].roll(1)  # one row whose top-1 moves
+    whole = (reference.exp() * (reference - quantized)).sum(-1).mean().item()
+    agreement, kl = agreement_and_kl(reference, quantized)
+    assert kl == whole and kl > 0
+    assert agreement == (reference.argmax(-1) == quantized.argmax(-1)).float().mean().item() < 1.0
+
+
 @pytest.mark.parametrize("m", [1, 6, 33])
 @pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (2500, 64)])
 def test_both_int8_kernels_give_the_exact_integer_product(m, k, n):

@@ -1,6 +1,7 @@
 """`runner/file_pages.py`: pages of the checkpoint's mapping that quantized weights no longer read
 are given back, a dropped page comes back from the file with its data, a page written since
-loading keeps its data, and anonymous memory is never asked for."""
+loading keeps its data, and anonymous memory is never asked for; inside `released_after_use` a
+linear's weight pages are unmapped after each call and it still computes the same product."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from magnitude.runner.file_pages import drop_pages, file_backed_ranges  # noqa: E402
+from magnitude.runner.file_pages import (  # noqa: E402
+    drop_pages, file_backed_ranges, released_after_use, unmap_clean_pages)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
@@ -76,6 +78,53 @@ def test_only_pages_wholly_inside_the_tensor_are_asked_for(tmp_path):
     assert 0 < drop_pages(a, file_backed_ranges()) < a.numel() * 4
     assert torch.equal(b, torch.full_like(b, 5.0))
     assert drop_pages(a.view(-1, 4)[:, 0], file_backed_ranges()) == 0  # strided view
+
+
+def test_unmapped_clean_pages_read_back_the_files_data_and_written_pages_are_kept(tmp_path):
+    """MADV_DONTNEED on a private file mapping discards what the process wrote: unmap_clean_pages
+    unmaps only the pages pagemap reports as the file's own, so a written page keeps its value
+    while the clean ones around it leave the resident set and read back bit for bit."""
+    path = tmp_path / "w.safetensors"
+    original = torch.randn(1 << 20)  # 4 MiB
+    safetensors_torch.save_file({"w": original}, path)
+    weight = safetensors_torch.load_file(path)["w"]
+    assert float(weight.sum()) == pytest.approx(float(original.sum()))  # every page read
+    written = 5 * (mmap.PAGESIZE // 4) + 7  # a float in the sixth page
+    weight[written] = 42.0
+    before = _resident_kib(path)
+
+    unmapped = unmap_clean_pages(weight, file_backed_ranges())
+
+    assert (4 << 20) - 4 * mmap.PAGESIZE <= unmapped < 4 << 20  # all but the written page (and the edges)
+    assert _resident_kib(path) <= before - unmapped // 1024
+    assert float(weight[written]) == 42.0
+    expected = original.clone()
+    expected[written] = 42.0
+    assert torch.equal(weight, expected)
+    assert unmap_clean_pages(torch.randn(1 << 20), file_backed_ranges()) == 0  # anonymous: never
+
+
+def test_a_linear_inside_released_after_use_gives_its_pages_back_after_each_call(tmp_path):
+    path = tmp_path / "lin.safetensors"
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 8))
+    safetensors_torch.save_file({k: v.contiguous() for k, v in source.state_dict().items()}, path)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 8))
+    model.load_state_dict(safetensors_torch.load_file(path), assign=True)  # views of the mapping
+    x = torch.randn(3, 1024)
+    with torch.inference_mode():
+        expected = source(x)
+        with released_after_use(model) as watched:
+            assert watched == 2
+            first = model(x)
+            after_first = _resident_kib(path)
+            second = model(x)  # the pages come back from the page cache
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert after_first < 64  # the 4 MiB weight read by the call is no longer resident
+    assert not model[0]._forward_hooks  # the hooks go with the context
+    with torch.inference_mode():
+        model(x)
+    assert _resident_kib(path) >= 4000  # outside it, a call leaves its pages resident
 
 
 def _gpu_library_clean_kib() -> tuple[int, dict[str, tuple[int, int]]]:

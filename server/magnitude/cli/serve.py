@@ -244,6 +244,13 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
     source = _model_source(args)
 
     def load_real(progress: Any) -> Any:
+        if args.device in (None, "", "auto", "cpu"):
+            from magnitude.runner.file_pages import page_out_gpu_libraries  # torch only
+
+            # Before transformers' imports grow the heap: the CUDA libraries torch mapped at import
+            # (~200 MiB resident on the CPU) would otherwise add to the load's peak until ModelRunner
+            # asks them back (it asks again for what was mapped since, on the CPU).
+            page_out_gpu_libraries()
         from magnitude.runner import ModelRunner
         from magnitude.runner.loading import cache_root
         from magnitude.runner.spec_decode import NgramProposer

@@ -18,6 +18,16 @@ another process maps too (a second engine on the same checkpoint file), which st
 process's resident set; the file's pages may stay in the page cache, which the kernel reclaims
 under pressure. Elsewhere than Linux, or on an older kernel, it does nothing.
 
+`released_after_use(module)`: measuring a quantization record runs the unquantized reference over
+every weight many times (a forward per chunk and per decoded token), which would hold the whole
+checkpoint's pages resident at once (SmolLM2 fp32: 537 MiB, a first start's peak). Inside it,
+each linear's weight pages are unmapped right after the linear runs (`unmap_clean_pages`,
+`MADV_DONTNEED`): they stay in the page cache, so the next forward maps them again with minor
+faults and no I/O (`MADV_PAGEOUT` would evict them and make every forward read the file), and the
+process holds about one linear's pages at a time. `MADV_DONTNEED` on a private mapping discards a
+page the process wrote, so only pages `/proc/self/pagemap` reports as the file's own (or not
+resident) are unmapped; a written page is left alone.
+
 `page_out_gpu_libraries()`: torch's CUDA wheels map a dozen CUDA libraries (and Triton's compiler) at import, whose pages
 the dynamic loader touched (about 150 MiB resident with torch 2.15 + CUDA 13); a runner on the CPU
 never executes them, so it asks for them back the same way (a page read later comes back from the
@@ -30,17 +40,25 @@ the kernel. Elsewhere than glibc it does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import mmap
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 _MAPS = Path("/proc/self/maps")
 _MADV_PAGEOUT = 21  # Linux 5.4+; not exported by the mmap module on every Python build
+_MADV_DONTNEED = 4
+_PAGEMAP = Path("/proc/self/pagemap")
+# /proc/self/pagemap: one 64-bit entry per virtual page (Documentation/admin-guide/mm/pagemap.rst);
+# bit 63, present, is read as the sign.
+_PM_SWAPPED = 1 << 62
+_PM_FILE_OR_SHARED = 1 << 61
 # CUDA's own libraries and torch's CUDA parts, as torch's CUDA wheels ship them (nvidia-* packages), and
 # Triton's compiler (a GPU kernel compiler torch imports with its inductor: ~66 MiB resident, never run here).
 GPU_LIBRARY = re.compile(r"/lib(cublas|cudnn|cufft|curand|cusolver|cusparse|cufile|cupti|cudart|nccl|nvJitLink|nvrtc"
@@ -94,23 +112,94 @@ def in_ranges(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
     return tensor.device.type == "cpu" and any(lo <= ptr < hi for lo, hi in ranges)
 
 
-def drop_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
-    """Give back the resident pages wholly inside `tensor`'s bytes that lie in one of `ranges` (from
-    `file_backed_ranges`); returns the bytes asked for (0 off Linux, on a GPU, for a view that is
-    not contiguous, outside the ranges, or where the kernel refuses)."""
+def _page_span(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """[start, end) of the pages wholly inside a contiguous CPU tensor's bytes, when they lie in one
+    of `ranges`; None otherwise."""
     if tensor.device.type != "cpu" or not ranges or not tensor.is_contiguous():
-        return 0
+        return None
     page = mmap.PAGESIZE
     first = tensor.data_ptr()
     last = first + tensor.numel() * tensor.element_size()
     start = -(-first // page) * page
     end = last // page * page
     if end <= start or not any(lo <= start and end <= hi for lo, hi in ranges):
-        return 0
+        return None
+    return start, end
+
+
+def _clean_runs(start: int, end: int) -> list[tuple[int, int]]:
+    """The runs of pages in [start, end) that are the file's own or not resident (pagemap), so
+    unmapping them loses nothing: a page this process wrote (copy-on-write) or that was swapped out
+    ends a run. Empty when pagemap cannot be read."""
+    page = mmap.PAGESIZE
+    try:
+        with _PAGEMAP.open("rb") as f:
+            f.seek(start // page * 8)
+            raw = f.read((end - start) // page * 8)
+    except OSError:
+        return []
+    if len(raw) != (end - start) // page * 8:
+        return []
+    # The flags sit in the top bits: read as int64, "present" is the sign bit.
+    entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    present = entries < 0
+    file_page = (entries & _PM_FILE_OR_SHARED) != 0
+    swapped = (entries & _PM_SWAPPED) != 0
+    safe = torch.where(present, file_page, ~swapped)
+    if bool(safe.all()):
+        return [(start, end)]
+    runs, run_start = [], None
+    for i, ok in enumerate(safe.tolist()):
+        if ok and run_start is None:
+            run_start = i
+        elif not ok and run_start is not None:
+            runs.append((start + run_start * page, start + i * page))
+            run_start = None
+    if run_start is not None:
+        runs.append((start + run_start * page, end))
+    return runs
+
+
+def unmap_clean_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
+    """Unmap the resident pages wholly inside `tensor`'s bytes that lie in one of `ranges` and are
+    still the file's own (`MADV_DONTNEED`): the page cache keeps them, so the next read maps them
+    again without I/O. Returns the bytes unmapped (0 off Linux, on a GPU, for a view that is not
+    contiguous, outside the ranges, or where pagemap or the kernel refuses)."""
+    span = _page_span(tensor, ranges)
     madvise = _madvise()
-    if madvise is None or madvise(start, end - start, _MADV_PAGEOUT) != 0:
+    if span is None or madvise is None:
         return 0
-    return end - start
+    return sum(hi - lo for lo, hi in _clean_runs(*span) if madvise(lo, hi - lo, _MADV_DONTNEED) == 0)
+
+
+@contextlib.contextmanager
+def released_after_use(module: torch.nn.Module) -> Iterator[int]:
+    """Within it, every `nn.Linear` under `module` unmaps its weight's clean file pages
+    (`unmap_clean_pages`) right after each call, so a forward over a mapped checkpoint holds about
+    one linear's pages at a time. Yields the number of linears watched (0 when none is mapped)."""
+    mapped = file_backed_ranges()
+    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear) and in_ranges(m.weight, mapped)]
+
+    def release(linear: torch.nn.Module, _args: object, _output: object) -> None:
+        unmap_clean_pages(linear.weight, mapped)
+
+    handles = [m.register_forward_hook(release) for m in linears]
+    try:
+        yield len(linears)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def drop_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
+    """Give back the resident pages wholly inside `tensor`'s bytes that lie in one of `ranges` (from
+    `file_backed_ranges`); returns the bytes asked for (0 off Linux, on a GPU, for a view that is
+    not contiguous, outside the ranges, or where the kernel refuses)."""
+    span = _page_span(tensor, ranges)
+    madvise = _madvise()
+    if span is None or madvise is None or madvise(span[0], span[1] - span[0], _MADV_PAGEOUT) != 0:
+        return 0
+    return span[1] - span[0]
 
 
 def page_out_gpu_libraries() -> int:

@@ -298,10 +298,18 @@ def codes_by_rows(w: torch.Tensor, codes_of: Callable[[torch.Tensor], tuple[torc
     and the same error as one pass, with the temporaries of one pass only."""
     passes: list[tuple[torch.Tensor, ...]] = []
     error = 0.0
-    for rows in row_passes(w):
+    views = row_passes(w)
+    mapped = file_backed_ranges() if len(views) > 1 else []
+    for rows in views:
         got = codes_of(rows)
         error = max(error, _grid_error(dequantize(*got), rows, got[1]))
         passes.append(got)
+        if len(views) > 1:
+            # A large weight (an LM head tied to the embeddings: 113 MiB in SmolLM2 fp32) would
+            # otherwise hold its whole mapping and every pass's freed temporaries at once, at its end:
+            # a first start's peak. Its pages come back from the file if it is read again.
+            drop_pages(rows, mapped)
+            trim_heap()
     return tuple(torch.cat(parts) for parts in zip(*passes)), error
 
 

@@ -36,7 +36,7 @@ from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_page
 from magnitude.runner.constraints import advance_constraint, advance_through_drafts, can_draft, settle_drafts
 from magnitude.runner.defaults import choose_kv_cache_dtype
 from magnitude.runner.draft_model import DraftModelProposer, kv_shape, load_draft
-from magnitude.runner.file_pages import page_out_gpu_libraries, trim_heap
+from magnitude.runner.file_pages import page_out_gpu_libraries, released_after_use, trim_heap
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.paged_decoder import paged_decoder
@@ -211,6 +211,7 @@ class ModelRunner:
             reference = self._measure_reference()
             report("evaluating_quantization", 0.5)
         quantize_linears(self.model, self.quantization, self.device, self.tokenizer(CALIBRATION_TEXT)["input_ids"])
+        trim_heap()  # the unquantized weights' temporaries, before the quantized model is measured
         # Built again over the quantized modules: a w4a16/w4a8 model's decode steps may now run fused.
         self._decoder = paged_decoder(self.model.model)
         if reference is not None:
@@ -221,7 +222,9 @@ class ModelRunner:
 
     def _measure_reference(self) -> "quant_eval.Measurement":
         """The evaluation's reference: this unquantized model over an fp32 KV pool, so that a record
-        also judges a float16 pool served beside the quantized weights (`kvCache.dtype`)."""
+        also judges a float16 pool served beside the quantized weights (`kvCache.dtype`). Its linears
+        give their mapped weight pages back after each call (file_pages.released_after_use): the
+        whole checkpoint resident at once was a first start's peak."""
         served = self.kv
         if served.shape.dtype != torch.float32:
             # Only the blocks the measurement writes: one as large as the served pool (sized from
@@ -229,7 +232,8 @@ class ModelRunner:
             blocks = min(served.num_blocks, quant_eval.blocks_needed(self.tokenizer, self.block_size))
             self.kv = PagedKVPool(dataclasses.replace(served.shape, dtype=torch.float32), blocks, 0, served.device)
         try:
-            return quant_eval.measure(self)
+            with released_after_use(self.model.model):
+                return quant_eval.measure(self)
         finally:
             self.kv = served
 
