@@ -304,6 +304,8 @@ DEFINE_PASS(int4_pass, 2, 1, DECODE_INT4, )
 DEFINE_PASS(int4_pass, 2, 2, DECODE_INT4, )
 DEFINE_PASS(int4_pass, 4, 1, DECODE_INT4, )
 DEFINE_PASS(int4_pass, 8, 1, DECODE_INT4, )
+DEFINE_PASS(int4_pass, 8, 2, DECODE_INT4, )
+DEFINE_PASS(int4_pass, 4, 2, DECODE_INT4, )
 DEFINE_PASS(int8_pass, 1, 1, DECODE_INT8, * scales[ch])
 DEFINE_PASS(int8_pass, 2, 1, DECODE_INT8, * scales[ch])
 DEFINE_PASS(int8_pass, 4, 1, DECODE_INT8, * scales[ch])
@@ -313,16 +315,22 @@ DEFINE_PASS(int8g_pass, 2, 1, DECODE_INT8G, )
 DEFINE_PASS(int8g_pass, 4, 1, DECODE_INT8G, )
 DEFINE_PASS(int8g_pass, 8, 1, DECODE_INT8G, )
 
-/* Up to 8 rows as passes of 8, 4, 2 and 1 (each pass re-reads the weights, from cache). NB1 and
-   NB2: channels at a time for one and two rows, measured per layout (bench/lowbit_bench.py): int4
-   gains from four channels in flight, the int8 LM head loses (its rows stream from memory). */
-#define DEFINE_ROWS(NAME, NB1, NB2)                                                                \
+/* Up to 8 rows as passes of 8, 4, 2 and 1 (each pass re-reads the weights, from cache). NB1, NB2,
+   NB4 and NB8: channels at a time for one, two, four and eight rows, measured per layout
+   (bench/lowbit_bench.py): int4 gains from four channels in flight at one row, the int8 LM head
+   loses (its rows stream from memory). With 8 rows and 2 channels each activation vector loaded
+   serves two products: 8 rows of a 1,536-input down projection (48 KiB) do not stay in a 32 KiB
+   L1, and one channel at a time re-read them from L2 for every channel (AVX-512, Zen 4, 2
+   threads: that projection 0.67x of the time at 8-64 rows, a layer's four 0.88x, same bits).
+   With AVX2's 16 vector registers the 16 accumulators of 8 x 2 spill (1.2-1.3x slower there), and
+   4 rows x 2 channels is what fits (a layer at 4 rows 0.87x). */
+#define DEFINE_ROWS(NAME, NB1, NB2, NB4, NB8)                                                      \
 static void NAME##_rows(const float *x, int m, int64_t k, const void *codes, const float *scales, \
                         const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {        \
     while (m > 0) {                                                                                \
         int step = m >= 8 ? 8 : m >= 4 ? 4 : m >= 2 ? 2 : 1;                                       \
-        if (step == 8) NAME##_pass_8_1(x, k, codes, scales, mins, y, ldy, n0, n1);                 \
-        else if (step == 4) NAME##_pass_4_1(x, k, codes, scales, mins, y, ldy, n0, n1);            \
+        if (step == 8) NAME##_pass_8_##NB8(x, k, codes, scales, mins, y, ldy, n0, n1);             \
+        else if (step == 4) NAME##_pass_4_##NB4(x, k, codes, scales, mins, y, ldy, n0, n1);        \
         else if (step == 2) NAME##_pass_2_##NB2(x, k, codes, scales, mins, y, ldy, n0, n1);        \
         else NAME##_pass_1_##NB1(x, k, codes, scales, mins, y, ldy, n0, n1);                       \
         x += step * k;                                                                             \
@@ -330,9 +338,20 @@ static void NAME##_rows(const float *x, int m, int64_t k, const void *codes, con
         m -= step;                                                                                 \
     }                                                                                              \
 }
-DEFINE_ROWS(int4, 4, 2)
-DEFINE_ROWS(int8, 1, 1)
-DEFINE_ROWS(int8g, 1, 1)
+#ifndef INT4_NB8  /* -DINT4_NB8=.. -DINT4_NB4=.. (both) override them, for measuring */
+#ifdef __AVX512F__
+#define INT4_NB8 2
+#define INT4_NB4 1
+#else
+#define INT4_NB8 1
+#define INT4_NB4 2
+#endif
+#endif
+#define INT4_ROWS(NB4, NB8) DEFINE_ROWS(int4, 4, 2, NB4, NB8)
+#define INT4_ROWS_(NB4, NB8) INT4_ROWS(NB4, NB8)
+INT4_ROWS_(INT4_NB4, INT4_NB8)
+DEFINE_ROWS(int8, 1, 1, 1, 1)
+DEFINE_ROWS(int8g, 1, 1, 1, 1)
 
 /* Channels [n0, n1) for exactly M rows of int8 activations (quantize_rows_q8), NB channels at a
    time. As in DEFINE_PASS, a row's sums run in the same order whatever M and NB are. */
