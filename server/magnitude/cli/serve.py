@@ -244,7 +244,9 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
     source = _model_source(args)
 
     def load_real(progress: Any) -> Any:
-        if args.device in (None, "", "auto", "cpu"):
+        import torch
+
+        if args.device == "cpu" or (args.device in (None, "", "auto") and not torch.cuda.is_available()):
             from magnitude.runner.file_pages import page_out_gpu_libraries  # torch only
 
             # Before transformers' imports grow the heap: the CUDA libraries torch mapped at import
