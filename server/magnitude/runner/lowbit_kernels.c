@@ -347,9 +347,9 @@ static void NAME##_rows(const float *x, int m, int64_t k, const void *codes, con
 #define INT4_NB4 2
 #endif
 #endif
+/* One level of indirection: DEFINE_ROWS pastes its arguments, so INT4_NB4/INT4_NB8 are expanded here first. */
 #define INT4_ROWS(NB4, NB8) DEFINE_ROWS(int4, 4, 2, NB4, NB8)
-#define INT4_ROWS_(NB4, NB8) INT4_ROWS(NB4, NB8)
-INT4_ROWS_(INT4_NB4, INT4_NB8)
+INT4_ROWS(INT4_NB4, INT4_NB8)
 DEFINE_ROWS(int8, 1, 1, 1, 1)
 DEFINE_ROWS(int8g, 1, 1, 1, 1)
 
