@@ -10,8 +10,8 @@ import pytest
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import (CostModelError, LinearCost, TableCost, UnitCost, derive_scheduler_limits,
-                                efficient_prefill_step, load_cost_model)
+from magnitude.sim.cost import (READING_PACE_ITL_MS, CostModelError, LinearCost, TableCost, UnitCost, derive_scheduler_limits,
+                                _prefill_step, efficient_prefill_step, load_cost_model)
 from magnitude.sim.simulate import resolve_sim_config
 
 
@@ -69,7 +69,7 @@ def test_limits_derived_from_itl_target() -> None:
 def test_default_limits_derive_the_target_from_an_efficient_prefill_step() -> None:
     c = LinearCost()
     derived = derive_scheduler_limits(resolve_config(None, []).scheduler, c)
-    chunk, target_ms = efficient_prefill_step(c, 256)
+    chunk, target_ms, raised = efficient_prefill_step(c, 256)
     # Linear: the rate c/(0.020 + 0.000035 c) is within 90% of the 2,048-token step's only at 2,048.
     assert chunk == 2048 and target_ms == pytest.approx(c.seconds_for(8, 2048) * 1000.0, abs=0.1)
     assert derived.itl_target_ms == target_ms and derived.source == "derived"
@@ -93,7 +93,7 @@ def test_default_limits_derive_the_target_from_an_efficient_prefill_step() -> No
     crowded = TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0),
                         ((1e-6, 0.217, 0.382, 1.77), (0.086, 0.266, 0.489, 1.77),
                          (0.198, 0.365, 0.556, 1.77), (0.362, 0.443, 0.753, 1.77)))
-    assert efficient_prefill_step(crowded, 256) == (64, 621.7)
+    assert efficient_prefill_step(crowded, 256) == (64, 621.7, False)
     busy = derive_scheduler_limits(resolve_config(None, []).scheduler, crowded)
     assert busy.itl_target_ms == 621.7 and busy.warning is None
     assert busy.prefill_chunk_size == 64 and crowded.seconds_for(0, busy.token_budget) <= 0.6217
@@ -178,3 +178,49 @@ def test_the_efficient_step_on_the_fitted_line() -> None:
     # One prefill column: no line; the candidates' own rates (extrapolated) decide.
     single = TableCost((0.0, 1.0), (0.0, 64.0), ((0.0, 0.32), (0.01, 0.33)))
     assert efficient_prefill_step(single, 8)[0] == 16
+
+
+# w4a16 tables from `magnitude serve`'s start-up calibration on one 2-core AMD EPYC with AVX-512
+# (2026-12-04, four starts hours apart). Prefill alone costs about the same per token at every size
+# (the prefill-only line picks 16 tokens), but beside 8 decodes a 16-token step runs at 0.7 of a
+# 64-token one's rate.
+AVX512_W4A16_TABLES = [
+    ((0.0, 0.0354, 0.1238, 0.5821), (0.0084, 0.0378, 0.1503, 0.6024), (0.0159, 0.0437, 0.1856, 0.6024),
+     (0.0473, 0.0799, 0.2011, 0.7026)),
+    ((0.0, 0.0304, 0.1128, 0.5018), (0.0073, 0.0359, 0.1128, 0.5018), (0.0127, 0.0406, 0.1208, 0.5154),
+     (0.044, 0.067, 0.1364, 0.5517)),
+    ((0.0, 0.0267, 0.1369, 0.4949), (0.0078, 0.0357, 0.1486, 0.495), (0.0137, 0.0421, 0.1486, 0.5444),
+     (0.0445, 0.0741, 0.1773, 0.6118)),
+    ((0.0, 0.0322, 0.1243, 0.5659), (0.0087, 0.0397, 0.1243, 0.6558), (0.0149, 0.0431, 0.1243, 0.6558),
+     (0.0578, 0.0744, 0.2199, 0.6558)),
+]
+
+
+def test_the_step_is_raised_for_the_decodes_up_to_reading_pace() -> None:
+    """Beside 8 decodes the efficient step is 64-96 tokens on these tables: the chunk is raised to
+    it, the budget is that step (decodes included), and the target its time beside the decodes,
+    within READING_PACE_ITL_MS. Served with these limits (budget 64) the mixed and long traces ran
+    at 0.94-0.98 of the best hand-set budget, against 0.78-0.92 with the prefill-only step's 27 / 16
+    (bench/results/derived_defaults.md)."""
+    derived = [_derive(seconds) for seconds in AVX512_W4A16_TABLES]
+    assert [(x.token_budget, x.prefill_chunk_size, x.itl_target_ms) for x in derived] == \
+        [(64, 64, 190.8), (96, 96, 193.0), (64, 64, 158.2), (64, 64, 156.2)]
+    for seconds in AVX512_W4A16_TABLES:
+        table = TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0), seconds)
+        assert _prefill_step(table, [16, 32, 48, 64, 96, 128, 192, 256], 0) == 16  # prefill alone
+        chunk, target_ms, raised = efficient_prefill_step(table, 256)
+        assert raised and chunk >= 64 and target_ms <= READING_PACE_ITL_MS
+    # Reading pace caps the raise: at twice the last table's times only 32 tokens beside 8 decodes
+    # fit within it.
+    slow = TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0),
+                     tuple(tuple(2 * t for t in row) for row in AVX512_W4A16_TABLES[3]))
+    assert efficient_prefill_step(slow, 256) == (32, 175.5, True)
+    # Where no bigger step fits reading pace beside the decodes (the AVX2 tables above: 16 tokens
+    # beside 8 decodes is already over 100 ms), nothing is raised and the budget stays the largest
+    # prefill-only step within the target.
+    for seconds in SAME_MACHINE_TABLES["2026-12-01"]:
+        table = TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0), seconds)
+        assert not efficient_prefill_step(table, 256)[2]
+    # One sequence at most: the step is judged beside that one decode.
+    assert efficient_prefill_step(TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0),
+                                            AVX512_W4A16_TABLES[3]), 1)[1] < 156.2

@@ -116,7 +116,8 @@ def test_the_fit_does_not_jump_where_the_window_starts_to_spread(slope: float) -
 
 
 # A table whose steps cost in proportion to their tokens (1 ms each, decodes and prefill alike), as
-# this CPU's w4a16 table nearly does: no fixed cost, so the smallest step is already efficient.
+# this CPU's w4a16 table nearly does: prefill-only steps have no fixed cost, so 16 tokens are already
+# efficient alone; beside 8 decodes (8 ms a step whatever the chunk) 90% of the rate takes 72+.
 _ROWS, _COLS = (0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0)
 PROPORTIONAL = TableCost(decode_batch_sizes=_ROWS, prefill_tokens=_COLS,
                          seconds=tuple(tuple(max(1e-6, 0.001 * (d + p)) for p in _COLS) for d in _ROWS))
@@ -125,20 +126,23 @@ PROPORTIONAL = TableCost(decode_batch_sizes=_ROWS, prefill_tokens=_COLS,
 def test_limits_follow_served_steps_once_enough_are_judged() -> None:
     sp = resolve_config(None, []).scheduler
     table = derive_scheduler_limits(sp, PROPORTIONAL)
-    assert table == SchedulerLimits(24, 16, 24.0, "derived")  # 16 tokens beside 8 decodes
+    # Raised for the decodes to 96 tokens (the next candidate), the whole step, within reading pace.
+    assert table == SchedulerLimits(96, 96, 104.0, "derived")
     # Until SERVED_DERIVE_STEPS served steps are judged, the table (a few steps say little).
     young = ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS - 1, 0.008)
     assert derivation_model(young) is PROPORTIONAL and derive_scheduler_limits(sp, young) == table
     assert scheduler_cost(young, sp) is PROPORTIONAL
-    # Then each served step pays 8 ms the table left out: 90% of the prefill rate takes 72+ tokens a
-    # step (the next candidate, 96), and the target is that step beside 8 decodes as served.
+    # Then each served step pays 8 ms the table left out: beside 8 decodes (16 ms a step) 90% of the
+    # rate takes 144+ tokens (the candidates: 192; reading pace allows 128), and the target is that
+    # step beside 8 decodes as served.
     served = ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS, 0.008)
     assert derivation_model(served) is served
-    assert derive_scheduler_limits(sp, served) == SchedulerLimits(103, 95, 112.0, "derived")
+    assert derive_scheduler_limits(sp, served) == SchedulerLimits(128, 128, 144.0, "derived")
     assert scheduler_cost(served, sp) is served  # the bound is in the target's own (served) seconds
-    # A scale alone keeps the step's size and stretches its time.
+    # A scale alone stretches the steps' time: 96 tokens beside 8 decodes (208 ms) is past reading
+    # pace, so the step is the largest candidate within it.
     assert derive_scheduler_limits(sp, ServedCost(PROPORTIONAL, 2.0, SERVED_DERIVE_STEPS)) == \
-        SchedulerLimits(24, 16, 48.0, "derived")
+        SchedulerLimits(64, 64, 144.0, "derived")
     # Explicit limits stay what they are.
     fixed = resolve_config(None, ["scheduler.tokenBudget=64", "scheduler.prefillChunkSize=32"]).scheduler
     assert derive_scheduler_limits(fixed, served) == SchedulerLimits(64, 32, None, "set")
@@ -153,22 +157,22 @@ def test_a_replay_of_served_times_follows_them_as_the_engine_did() -> None:
            "seconds": [list(r) for r in PROPORTIONAL.seconds],
            "meta": {"servedOverPredicted": 1.0, "servedFixedSeconds": 0.008, "servedSteps": 600}}
     result = simulate(documents(), resolve_config(None, []), cost_model_from_document(doc))
-    assert result.config.scheduler.itl_target_ms == 24.0  # the table's, as the engine started
+    assert result.config.scheduler.itl_target_ms == 104.0  # the table's, as the engine started
     # The table's limits, run at the served times, miss their own target step after step, until
     # SERVED_DERIVE_STEPS judged steps have taught the replay the fixed 8 ms: then the limits the
-    # served line derives (103 / 95 / 112 ms from the line itself, test above), and no decoding step
+    # served line derives (128 / 128 / 144 ms from the line itself, test above), and no decoding step
     # over that target.
     [(changed_at, limits)] = result.limits_changes
     assert build_report(result)["limits_changes"] == [{"t": changed_at, **limits.to_document()}]
-    assert limits.itl_target_ms == pytest.approx(112.0, abs=2.0) and limits.prefill_chunk_size > 64
+    assert limits.itl_target_ms == pytest.approx(144.0, abs=2.0) and limits.prefill_chunk_size > 96
     before = [s for s in decoding_steps(result) if s.t < changed_at]
     after = [s for s in decoding_steps(result) if s.t >= changed_at]
-    assert sum(s.duration > 0.024 for s in before) > 30
+    assert sum(s.duration > 0.104 for s in before) > 30
     assert len(after) > 30 and max(s.duration for s in after) <= limits.itl_target_ms / 1000.0 + 1e-9
     # A table without a served line: its steps take the table's times, and the limits stay (the
     # bound moves to the learned model, which predicts the table's times).
     plain = simulate(documents(), resolve_config(None, []), PROPORTIONAL)
-    assert [limits for _, limits in plain.limits_changes] == [SchedulerLimits(24, 16, 24.0, "derived")]
+    assert [limits for _, limits in plain.limits_changes] == [SchedulerLimits(96, 96, 104.0, "derived")]
 
 
 def test_derived_limits_move_only_past_the_tolerance() -> None:

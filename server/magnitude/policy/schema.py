@@ -76,9 +76,9 @@ class SchedulerPolicy(PolicyModel):
     token_budget: int | None = Field(
         default=None, ge=1, le=1_048_576,
         description="Most tokens (decode + prefill) computed in one step. Null (the default) derives it: the "
-        "largest step the engine's measured cost model predicts within itlTargetMs (when unset: the predicted time "
-        "of the smallest prefill step within 90% of the prefill rate a line fitted through the measured prefill steps "
-        "allows, beside 8 decodes).",
+        "largest step of prefill tokens the engine's measured cost model predicts within itlTargetMs, or, with "
+        "prefillChunkSize and itlTargetMs null too and the default step raised for the decodes (itlTargetMs), "
+        "that step.",
     )
     max_sequences: int = Field(default=64, ge=1, le=4096, description="Most sequences resident in one step.")
     prefill_chunk_size: int | None = Field(
@@ -86,15 +86,17 @@ class SchedulerPolicy(PolicyModel):
         ge=1,
         le=1_048_576,
         description="Most prompt tokens one sequence may compute in one step. Null (the default) derives it: "
-        "what a step with 8 decodes leaves within itlTargetMs under the measured cost model.",
+        "what a step with 8 decodes leaves within itlTargetMs under the measured cost model, or, with tokenBudget "
+        "and itlTargetMs null too and the default step raised for the decodes (itlTargetMs), that step.",
     )
     itl_target_ms: float | None = Field(
         default=None, gt=0.0, le=60_000.0,
         description="Inter-token latency target: each step's total predicted time (decodes plus every prefill "
         "chunk) stays within it while requests decode, and null tokenBudget/prefillChunkSize are derived "
-        "for it. Null: when anything is derived, the predicted time of an efficient step (the smallest prefill "
-        "step within 90% of the prefill rate a line fitted through the measured prefill steps allows, beside 8 "
-        "decodes), else no per-step bound.",
+        "for it. Null: when anything is derived, the predicted time of an efficient step beside 8 decodes (the "
+        "smallest prefill step within 90% of the rate a line fitted through the measured prefill-only steps allows; "
+        "raised where steps beside 8 decodes reach that share only at a bigger size, to that size, but to none "
+        "predicted over 200 ms), else no per-step bound.",
     )
     preemption_mode: Literal["recompute", "swap", "auto"] = Field(
         default="recompute",

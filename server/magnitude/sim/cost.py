@@ -312,12 +312,25 @@ def scheduler_cost(cost: CostModel | None, sp: SchedulerPolicy) -> CostModel | N
 # 111, 120 and 241 ms (least squares alone: 738, 529, 630 and 158, 111, 120, 472;
 # tests/sim/test_cost.py). The target then is what that step costs beside TYPICAL_DECODES
 # decodes: derived, not borrowed.
+#
+# The same share is then asked of the steps streams wait on, a chunk beside TYPICAL_DECODES decodes
+# (the decodes alone one point of the line), and the chunk is raised to the size that reaches it,
+# within READING_PACE_ITL_MS; a raised chunk is the whole step (budget = chunk). Prefill-only steps
+# can have no fixed cost where steps beside decodes do: on two AVX-512 EPYC cores w4a16's prefill
+# costs 1.7-1.8 ms a token at every size, and the prefill-only rule's 16-token chunk (budget 27,
+# target 53 ms) served 0.78-0.79 of budget 64's throughput on the mixed trace; its steps of about
+# 20 prompt tokens and 4 decodes took 58 ms, 3.0 ms a token, against 2.2 ms in budget 64's. Raised
+# to 64 it served 0.94-0.98 (bench/results/derived_defaults.md).
 PREFILL_EFFICIENCY = 0.9
 # Decodes a "typical" step carries when the chunk and the default target are derived (at most maxSequences).
 TYPICAL_DECODES = 8
 # Floors when even the smallest step misses the target: the engine still makes progress.
 MIN_DERIVED_BUDGET = 16
 MAX_DERIVED_BUDGET = 65_536
+# The default target's ceiling where the chunk is raised for the decodes (efficient_prefill_step): a
+# token every 200 ms, 5 a second, about the pace people read at; a stream slower than that is a stall
+# its reader sees. It never lowers the prefill-only step (fp32 on two cores: 256 tokens, 554 ms).
+READING_PACE_ITL_MS = 200.0
 # Prefill step sizes compared for the default target (tokens per step).
 EFFICIENT_STEP_CANDIDATES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048)
 
@@ -356,18 +369,21 @@ def limits_moved(old: SchedulerLimits, new: SchedulerLimits, tolerance: float = 
     return any(abs(b - a) > tolerance * a for a, b in pairs)
 
 
-def _fitted_step_costs(cost: CostModel, candidates: list[int]) -> list[tuple[float, float]]:
+def _fitted_step_costs(cost: CostModel, candidates: list[int], decodes: int) -> list[tuple[float, float]]:
     """Lines t = a + b p (a: fixed seconds per step, b: seconds per prefill token) through the
-    model's prefill-only step times at a table's measured prefill columns (other models: at the
-    candidates): least squares, and Theil-Sen (b the median of the slopes between pairs of points,
-    a the median of t - b p). Empty when fewer than two points (a table of one prefill column).
-    With three noisy points each can be thrown by one cell: least squares by a slow middle cell
-    (a 64-token cell 60% slow derived 64 tokens and a 472 ms target where the same machine's other
-    tables derived 16 tokens and 111-158 ms), the medians by a flat last column (a 256-token cell
-    no dearer at any batch, on busy cores, pulled them to 192 tokens and 1.4 s)."""
+    model's times of steps of p prefill tokens beside `decodes` decodes, at a table's measured
+    prefill columns (other models: at the candidates), the decodes alone (p = 0) included when
+    there are any: least squares, and Theil-Sen (b the median of the slopes between pairs of
+    points, a the median of t - b p). Empty when fewer than two points. With a few noisy points
+    each can be thrown by one cell: least squares by a slow middle cell (a 64-token cell 60% slow
+    derived 64 tokens and a 472 ms target where the same machine's other tables derived 16 tokens
+    and 111-158 ms), the medians by a flat last column (a 256-token cell no dearer at any batch, on
+    busy cores, pulled them to 192 tokens and 1.4 s)."""
     table = measured_model(cost)  # a served model is judged at its table's columns
     sizes = [p for p in table.prefill_tokens if p > 0] if isinstance(table, TableCost) else candidates
-    points = [(float(p), cost.seconds_for(0, p)) for p in sizes]
+    if decodes:
+        sizes = [0, *sizes]
+    points = [(float(p), cost.seconds_for(decodes, p)) for p in sizes]
     if len(points) < 2:
         return []
     mp = sum(p for p, _ in points) / len(points)
@@ -388,26 +404,37 @@ def _efficient_on_line(a: float, b: float, candidates: list[int]) -> int:
     return min((c for c in candidates if c >= threshold), default=candidates[-1])
 
 
-def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float]:
-    """The default chunk and ITL target in ms. The chunk: the smallest candidate prefill step whose
-    rate on a fitted line (_fitted_step_costs, _efficient_on_line) is at least PREFILL_EFFICIENCY
-    of the line's best (a table only within its measured range), the smaller of the two lines'
-    choices. Where no line fits, the candidates' own rates are compared. The target: the predicted
-    time of that step beside TYPICAL_DECODES decodes, rounded up to 0.1 ms so the step it was
+def _prefill_step(cost: CostModel, candidates: list[int], decodes: int) -> int:
+    """The smallest candidate chunk whose rate beside `decodes` decodes, on a fitted line
+    (_fitted_step_costs, _efficient_on_line), is at least PREFILL_EFFICIENCY of the line's best,
+    the smaller of the two lines' choices; where no line fits, the candidates' own rates."""
+    fits = _fitted_step_costs(cost, candidates, decodes)
+    if fits:
+        # Where the two lines disagree, the smaller step: too big a chunk stalls every running
+        # stream for longer, too small a one gives up at most the efficiency margin's throughput.
+        return min(_efficient_on_line(a, b, candidates) for a, b in fits)
+    rate = {c: c / max(cost.seconds_for(decodes, c), 1e-9) for c in candidates}
+    return min(c for c in candidates if rate[c] >= PREFILL_EFFICIENCY * max(rate.values()))
+
+
+def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float, bool]:
+    """The default chunk, the ITL target in ms, and whether the chunk was raised for the decodes.
+    The chunk: the efficient prefill-only step (_prefill_step with no decodes; candidates within a
+    table's measured range), raised where steps beside d = min(maxSequences, TYPICAL_DECODES)
+    decodes are efficient only at a bigger size, to that size, but not past the largest candidate
+    whose step beside the d decodes is predicted within READING_PACE_ITL_MS. The target: the
+    predicted time of the chunk beside the d decodes, rounded up to 0.1 ms so the step it was
     chosen for fits the bound."""
     table = measured_model(cost)
     top = max(table.prefill_tokens) if isinstance(table, TableCost) else MAX_DERIVED_BUDGET
     candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
-    fits = _fitted_step_costs(cost, candidates)
-    if fits:
-        # Where the two lines disagree, the smaller step: too big a chunk stalls every running
-        # stream for longer, too small a one gives up at most the efficiency margin's throughput.
-        chunk = min(_efficient_on_line(a, b, candidates) for a, b in fits)
-    else:
-        rate = {c: c / max(cost.seconds_for(0, c), 1e-9) for c in candidates}
-        chunk = min(c for c in candidates if rate[c] >= PREFILL_EFFICIENCY * max(rate.values()))
     d = min(max_sequences, TYPICAL_DECODES)
-    return chunk, math.ceil(cost.seconds_for(d, chunk) * 10_000.0 - 1e-6) / 10.0
+    chunk = _prefill_step(cost, candidates, 0)
+    paced = [c for c in candidates if cost.seconds_for(d, c) * 1000.0 <= READING_PACE_ITL_MS]
+    beside_decodes = min(_prefill_step(cost, candidates, d), max(paced, default=chunk))
+    raised = beside_decodes > chunk
+    chunk = max(chunk, beside_decodes)
+    return chunk, math.ceil(cost.seconds_for(d, chunk) * 10_000.0 - 1e-6) / 10.0, raised
 
 
 def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None) -> SchedulerLimits:
@@ -415,7 +442,8 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None) -> Sche
     target: `itlTargetMs`, else the cost of an efficient step (efficient_prefill_step), on
     derivation_model(cost): served step times once enough are judged, else the table. The budget is
     the largest step of prefill tokens predicted within the target, the chunk what a step with
-    TYPICAL_DECODES decodes leaves. Explicit values win. When anything is derived, or `itlTargetMs`
+    TYPICAL_DECODES decodes leaves; with neither set nor a target, where efficient_prefill_step
+    raised its step for the decodes, both are that step. Explicit values win. When anything is derived, or `itlTargetMs`
     is set, the limits carry the target, and the scheduler bounds each step's total predicted time by it."""
     derive = sp.token_budget is None or sp.prefill_chunk_size is None
     cost = derivation_model(cost)
@@ -427,13 +455,18 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None) -> Sche
         chunk = sp.prefill_chunk_size if sp.prefill_chunk_size is not None else min(STATIC_PREFILL_CHUNK, budget)
         return SchedulerLimits(budget, chunk, None, "static" if derive else "set")
     target_ms = sp.itl_target_ms
-    if target_ms is None and derive:
-        _chunk, target_ms = efficient_prefill_step(cost, sp.max_sequences)
-    target_s = (target_ms or 0.0) / 1000.0
     budget = sp.token_budget
+    chunk = sp.prefill_chunk_size
+    if target_ms is None and derive:
+        step, target_ms, raised = efficient_prefill_step(cost, sp.max_sequences)
+        if raised and budget is None and chunk is None:
+            # The step raised for the decodes is the whole step, decodes included: a budget from
+            # the target would admit prefill-only steps past it (64 -> 75 tokens on w4a16, out of
+            # the fused forward's chunk rows: 0.86 of budget 64's throughput against 0.94).
+            budget = chunk = step
+    target_s = (target_ms or 0.0) / 1000.0
     if budget is None:
         budget = max(MIN_DERIVED_BUDGET, largest_fitting(lambda b: cost.seconds_for(0, b) <= target_s, MAX_DERIVED_BUDGET))
-    chunk = sp.prefill_chunk_size
     if chunk is None:
         d = min(sp.max_sequences, TYPICAL_DECODES, max(0, budget - 1))
         chunk = max(min(MIN_DERIVED_BUDGET, budget),
