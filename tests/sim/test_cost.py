@@ -10,8 +10,8 @@ import pytest
 from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import (READING_PACE_ITL_MS, CostModelError, LinearCost, TableCost, UnitCost, derive_scheduler_limits,
-                                _prefill_step, efficient_prefill_step, load_cost_model)
+from magnitude.sim.cost import (READING_PACE_ITL_MS, CostModelError, LinearCost, TableCost, UnitCost,
+                                _prefill_step, derive_scheduler_limits, efficient_prefill_step, load_cost_model)
 from magnitude.sim.simulate import resolve_sim_config
 
 

@@ -443,8 +443,9 @@ def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None) -> Sche
     derivation_model(cost): served step times once enough are judged, else the table. The budget is
     the largest step of prefill tokens predicted within the target, the chunk what a step with
     TYPICAL_DECODES decodes leaves; with neither set nor a target, where efficient_prefill_step
-    raised its step for the decodes, both are that step. Explicit values win. When anything is derived, or `itlTargetMs`
-    is set, the limits carry the target, and the scheduler bounds each step's total predicted time by it."""
+    raised its step for the decodes, both are that step. Explicit values win. When anything is
+    derived, or `itlTargetMs` is set, the limits carry the target, and the scheduler bounds each
+    step's total predicted time by it."""
     derive = sp.token_budget is None or sp.prefill_chunk_size is None
     cost = derivation_model(cost)
     if cost is None or isinstance(cost, UnitCost):
