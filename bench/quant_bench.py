@@ -1,4 +1,5 @@
-"""Which weights on which CPU: step speed and the evaluation record of fp32, bf16, w8a8, w8a16, w4a16 and w4a8.
+"""Which weights on which CPU: step speed and the evaluation record of fp32, bf16, w8a8, w8a16, w4a16, w4a8 and
+w4a16-bf16prefill.
 
 For each variant, one `ModelRunner` on the bundled SmolLM2 measures (with `magnitude profile`'s
 `profile_runner`, fastest of --repeats passes after one unmeasured run) a decode step of batch 1, 8 and
@@ -23,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 VARIANTS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "w8a8": ("float32", "w8a8"),
-            "w8a16": ("float32", "w8a16"), "w4a16": ("float32", "w4a16"), "w4a8": ("float32", "w4a8")}
+            "w8a16": ("float32", "w8a16"), "w4a16": ("float32", "w4a16"), "w4a8": ("float32", "w4a8"),
+            "w4a16-bf16prefill": ("float32", "w4a16-bf16prefill")}
 
 
 def main() -> None:

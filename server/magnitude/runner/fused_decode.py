@@ -3,7 +3,8 @@
 The lean forward (paged_decoder.py) still runs about a hundred torch operations per layer; at one to
 a few rows each is mostly framework time, and together they were two thirds of a w4a16 decode step
 at batch 1 (`bench/step_profile.py`). For a model the lean forward takes (transformers' Llama,
-Mistral, Qwen2) with fp32 activations, SiLU, and every projection in w4a16 (or every one in w4a8) on
+Mistral, Qwen2) with fp32 activations, SiLU, and every projection in w4a16 (or every one in w4a8, or
+in w4a16-bf16prefill, whose products take the rows the runner marks in bf16) on
 Magnitude's kernels, `fused_decoder` returns a forward that runs all layers in C: RMSNorm, the fused
 q/k/v product, RoPE with the model's own cos/sin, the K/V write into the paged pool, grouped-query
 attention over each row's blocks (its sliding window, if any), the output projection, the SiLU-gated
@@ -20,6 +21,7 @@ difference and checks that a row's result does not depend on its batch or the th
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -39,7 +41,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                      "block_size", "table_width")] + \
                [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act_int8", ctypes.c_int64),
-                ("kv_f16", ctypes.c_int64)]
+                ("kv_f16", ctypes.c_int64), ("bf16_rows", ctypes.c_void_p)]
 
 
 _LAYER_POINTERS = ("in_norm", "post_norm", "qkv_codes", "qkv_scales", "qkv_mins", "qkv_bias", "o_codes", "o_scales",
@@ -57,7 +59,7 @@ class _Int4:
     scales: torch.Tensor
     mins: torch.Tensor
     bias: torch.Tensor | None
-    activations: str  # "fp32" (w4a16) or "int8" (w4a8)
+    activations: str  # "fp32" (w4a16), "int8" (w4a8) or "bf16prefill" (w4a16-bf16prefill)
 
 
 def _native_int4(module: nn.Module | Int4Group | None, kernel: lowbit.LowbitKernels) -> _Int4 | None:
@@ -127,18 +129,27 @@ class _RopeTable:
 # at 96k keys still won), and it counts every key before a row's position even under a sliding window.
 FUSED_MAX_CHUNK_ROWS = 64
 FUSED_MAX_CHUNK_KEYS = 64_000
+# With w4a16-bf16prefill's bf16 products a chunk's products are about 3x cheaper in both forwards,
+# and the fused step's beat the lean forward's at every chunk size measured; the key bound above
+# still holds. Fused against lean, two AVX-512 BF16 EPYC cores (`bench/step_profile.py
+# --compare-decoders --quantization w4a16-bf16prefill --threads 2 --batches 24 --contexts 200
+# --prefills 16+64,16+96,16+128,96,128,256,64@1000 --steps 7`, then `--prefills 64@2000,64@4000,
+# 128@2000,256@1000,512,16+256@500 --steps 5`): 16+96 0.77x, 16+128 0.79x, chunks alone of 96, 128,
+# 256 and 512 rows 0.83x, 0.86x, 0.86x, 0.89x, 16+256 at 500 0.90x; 64 at 1,000 0.92x, but 64 at
+# 2,000 1.08x, 64 at 4,000 1.16x, 128 at 2,000 1.14x and 256 at 1,000 1.05x (130k keys and more).
+FUSED_MAX_CHUNK_ROWS_BF16 = 512
 # KV pools the C code reads and writes (kvCache.dtype float32 or float16; attention sums in fp32).
 FUSED_POOL_DTYPES = (torch.float32, torch.float16)
 
 
-def runs_fused(batch: PagedBatch) -> bool:
+def runs_fused(batch: PagedBatch, max_chunk_rows: int = FUSED_MAX_CHUNK_ROWS) -> bool:
     """Whether the fused forward takes this step (see FUSED_MAX_CHUNK_ROWS); decode rows always qualify."""
     rows = batch.num_tokens
     decode_rows = [g.q_index[:, 0] for g in batch.groups if g.q_index.shape[1] == 1]
     chunk_rows = rows - sum(len(r) for r in decode_rows)
     if not chunk_rows:
         return True
-    if chunk_rows > FUSED_MAX_CHUNK_ROWS:
+    if chunk_rows > max_chunk_rows:
         return False
     keys = int(batch.row_positions.sum()) + rows  # every row attends to its position + 1 keys
     keys -= sum(int(batch.row_positions[r.numpy()].sum()) + len(r) for r in decode_rows)
@@ -151,7 +162,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     `window(attn)` gives each layer's sliding window), or None when the model is not one it runs:
     not w4a16 (or not w4a8) on Magnitude's kernels throughout, not fp32, or not SiLU. The forward
     returns the final norm's output, or None for a step `choose` declines (by default
-    `runs_fused`), for the caller to run the lean forward.
+    `runs_fused`, with FUSED_MAX_CHUNK_ROWS_BF16 under w4a16-bf16prefill), for the caller to run the
+    lean forward.
 
     The weights' addresses are taken now (their tensors kept alive with the forward): a model whose
     modules or buffers are replaced later needs a new forward, as runner.py builds after quantizing."""
@@ -215,7 +227,10 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         table[i].window = win
     dims = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling),
-                act_int8=int(activations.pop() == "int8"))
+                act_int8=int(next(iter(activations)) == "int8"))
+    bf16prefill = activations.pop() == "bf16prefill"  # its products read the step's marked rows
+    if bf16prefill and choose is runs_fused:
+        choose = functools.partial(runs_fused, max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16)
     rope = _RopeTable(inner.rotary_emb)
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor | None:
@@ -240,8 +255,9 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         for i in range(len(layers)):
             table[i].k_cache = pool[i].data_ptr()
             table[i].v_cache = batch.v_layers[i].data_ptr()
+        marked = lowbit.current_bf16_rows(h.shape[0]) if bf16prefill else None
         d = _Dims(block_size=batch.block_size, table_width=tables.shape[1], kv_f16=int(pool[0].dtype == torch.float16),
-                  **dims)
+                  bf16_rows=None if marked is None else marked.ctypes.data, **dims)
         rc = lib.magnitude_decode_layers(ctypes.byref(d), table, len(layers), h.data_ptr(), h.shape[0],
                                          positions.ctypes.data, tables.ctypes.data, cos.data_ptr(), sin.data_ptr(),
                                          final_norm.data_ptr(), final_eps, torch.get_num_threads())

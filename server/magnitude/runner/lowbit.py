@@ -27,9 +27,13 @@ import platform
 import shutil
 import subprocess
 import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import torch
 
 from magnitude.runner.model_cache import cache_root
@@ -70,6 +74,31 @@ class LowbitKernels:
         y = torch.empty(m, codes.shape[0], dtype=torch.float32)
         self.lib.magnitude_int4_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
                                        mins.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y
+
+    @property
+    def bf16(self) -> bool:
+        """Whether this build has the bf16 products for prompt rows (the CPU has AVX512-BF16)."""
+        return bool(self.lib.magnitude_lowbit_bf16())
+
+    def int4_bf16_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                         rows: np.ndarray) -> torch.Tensor:
+        """As `int4_matmul`, with the rows `rows` marks (uint8 [M]) rounded to bf16 and multiplied by
+        the weights rounded to bf16, sums in fp32 (w4a16-bf16prefill's prompt rows); the others exact."""
+        m, k = x.shape
+        if k % K_MULTIPLE or codes.shape[1] * 2 != k:
+            raise ValueError(f"int4 product: x has {k} columns, the weights {codes.shape[1] * 2} (a multiple of 32)")
+        if rows.dtype != np.uint8 or rows.shape != (m,):
+            raise ValueError(f"bf16 rows: expected uint8 [{m}], got {rows.dtype} {list(rows.shape)}")
+        y = torch.empty(m, codes.shape[0], dtype=torch.float32)
+        rows = np.ascontiguousarray(rows)
+        rc = self.lib.magnitude_int4_bf16_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(),
+                                                 scales.data_ptr(), mins.data_ptr(), y.data_ptr(), rows.ctypes.data,
+                                                 torch.get_num_threads())
+        if rc == -2:
+            raise LowbitKernelError(f"bf16 products: this build ({self.path.name}) has none (no AVX512-BF16)")
+        if rc:
+            raise MemoryError(f"int4 bf16 product: no memory for {m} x {k} bf16 activations")
         return y
 
     def int4q8_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -130,6 +159,29 @@ def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), d
 
 
+# Which rows of the step being computed are prompt rows, for w4a16-bf16prefill's products (uint8
+# per row of the flattened step; None: none). The runner sets it around a step's forward: a linear
+# sees only its input matrix, not which sequence a row belongs to.
+_BF16_ROWS: ContextVar[np.ndarray | None] = ContextVar("magnitude_bf16_rows", default=None)
+
+
+@contextmanager
+def bf16_rows(rows: np.ndarray | None) -> Iterator[None]:
+    """Within the block, products of `rows.size` rows run the rows it marks in bf16 (where their
+    linear is w4a16-bf16prefill)."""
+    token = _BF16_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _BF16_ROWS.reset(token)
+
+
+def current_bf16_rows(m: int) -> np.ndarray | None:
+    """The marked rows for a product of `m` rows: the step's, if it has that many and marks any."""
+    rows = _BF16_ROWS.get()
+    return rows if rows is not None and rows.shape == (m,) and rows.any() else None
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.magnitude_lowbit_isa.restype = ctypes.c_char_p
@@ -146,6 +198,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     # runner/fused_decode.py
     lib.magnitude_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, ctypes.c_float, i32]
     lib.magnitude_decode_layers.restype = ctypes.c_int
+    lib.magnitude_lowbit_bf16.restype = ctypes.c_int
+    lib.magnitude_lowbit_bf16.argtypes = []
+    lib.magnitude_int4_bf16_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, p, i32]
+    lib.magnitude_int4_bf16_matmul.restype = ctypes.c_int
     lib.magnitude_to_f16.argtypes = [p, p, i64]
     lib.magnitude_to_f16.restype = None
 

@@ -17,6 +17,13 @@
   converted to fp32, so a one-row product runs near memory speed (lowbit_kernels.c has the
   figures); the activation rounding is its error, which its evaluation record measures. Magnitude's
   kernels only: refused where they are not built.
+- `w4a16-bf16prefill`: w4a16's weights, LM head and embeddings; a decode's products exactly as
+  w4a16's, while the rows of a prompt chunk (a step's sequence with more than one token) are rounded
+  to bf16 and multiplied by the weights rounded to bf16 with AVX512-BF16 dot products, fp32 sums
+  (lowbit_kernels.c: a chunk's products 3x as fast as fp32's on a Zen 4 core). Prefill is
+  arithmetic-bound and decode memory-bound, so the rounding goes where the time is; its evaluation
+  record measures what it costs. Needs Magnitude's kernels built for a CPU with AVX512-BF16 (AMX
+  CPUs have it too): refused elsewhere.
 - `w8a16` (weight-only): `WeightOnlyInt8Linear` keeps int8 weights with one scale per output
   channel and multiplies activations in the model's dtype (Magnitude's kernel in fp32, else
   `torch._weight_int8pack_mm`). No activation rounding, so its error is the weights' alone
@@ -396,6 +403,15 @@ def _tied_embedding(model: nn.Module, head: nn.Linear) -> nn.Embedding | None:
     return None
 
 
+def _bf16prefill_unavailable() -> QuantizationError:
+    """w4a16-bf16prefill needs the bf16 products: the refusal where the kernels lack them, and why."""
+    return QuantizationError("w4a16-bf16prefill needs Magnitude's low-bit kernels built for a CPU with AVX512-BF16 "
+                             f"(avx512_bf16 in /proc/cpuinfo), and here they are not ({lowbit.describe()}); use w4a16")
+
+
+INT4_ACTIVATIONS = {"fp32": "w4a16", "int8": "w4a8", "bf16prefill": "w4a16-bf16prefill"}  # -> method
+
+
 def _w4a8_unavailable() -> QuantizationError:
     """w4a8 has no torch fallback: the refusal where Magnitude's kernels are not in use, and why."""
     return QuantizationError(f"w4a8 runs on Magnitude's low-bit kernels only, and they are not in use here "
@@ -414,7 +430,9 @@ class Int4WeightOnlyLinear(nn.Module):
 
     `activations="int8"` (w4a8) rounds x to int8 per group of 32 inputs (`lowbit.q8_activations`)
     and multiplies with integer dot products, Magnitude's kernels only (QuantizationError where they
-    are not built).
+    are not built). `activations="bf16prefill"` (w4a16-bf16prefill) multiplies the rows that
+    `lowbit.bf16_rows` marks for the step in bf16 and the others as w4a16 does, Magnitude's kernels
+    with AVX512-BF16 only.
 
     `grid_error` is the largest |W - dequant(codes)| relative to the group's scale: ~0 when W was
     already on a 4-bit grid (de-quantized Q4_1), up to 0.5 otherwise."""
@@ -423,9 +441,9 @@ class Int4WeightOnlyLinear(nn.Module):
         super().__init__()
         w = linear.weight.detach()
         n, k = w.shape
-        method = "w4a8" if activations == "int8" else "w4a16"
-        if activations not in ("fp32", "int8"):
-            raise ValueError(f"activations {activations!r}: expected fp32 or int8")
+        if activations not in INT4_ACTIVATIONS:
+            raise ValueError(f"activations {activations!r}: expected one of {', '.join(INT4_ACTIVATIONS)}")
+        method = INT4_ACTIVATIONS[activations]
         if k % group:
             raise QuantizationError(f"{method} needs input features divisible by {group}; a linear has {k}")
         (codes, scale, lo), self.grid_error = codes_by_rows(
@@ -434,6 +452,8 @@ class Int4WeightOnlyLinear(nn.Module):
         self.kernel = lowbit.kernels() if group == lowbit.K_MULTIPLE else None
         if activations == "int8" and self.kernel is None:
             raise _w4a8_unavailable()
+        if activations == "bf16prefill" and (self.kernel is None or not self.kernel.bf16):
+            raise _bf16prefill_unavailable()
         self.activations = activations
         if self.kernel is not None:
             # Two codes a byte, a group's first 16 inputs in the low nibbles (Q4_1's order).
@@ -455,9 +475,14 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.kernel is not None:
-            product = self.kernel.int4q8_matmul if self.activations == "int8" else self.kernel.int4_matmul
-            return _native_output(product(_fp32_rows(x, self.in_features), self.qweight, self.scales, self.mins),
-                                  x, self.bias)
+            rows = _fp32_rows(x, self.in_features)
+            marked = lowbit.current_bf16_rows(rows.shape[0]) if self.activations == "bf16prefill" else None
+            if marked is not None:
+                y = self.kernel.int4_bf16_matmul(rows, self.qweight, self.scales, self.mins, marked)
+            else:
+                product = self.kernel.int4q8_matmul if self.activations == "int8" else self.kernel.int4_matmul
+                y = product(rows, self.qweight, self.scales, self.mins)
+            return _native_output(y, x, self.bias)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
@@ -614,13 +639,15 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
         for parent, name, child in targets:
             replace(parent, name, WeightOnlyInt8Linear(child), child)
         return len(targets)
-    if method in ("w4a16", "w4a8"):
-        activations = "int8" if method == "w4a8" else "fp32"
+    if method in INT4_ACTIVATIONS.values():
+        activations = next(a for a, m in INT4_ACTIVATIONS.items() if m == method)
         bad = [f"{name} ({c.in_features})" for _, name, c in targets if c.in_features % INT4_GROUP]
         if bad:  # before replacing any: a half-quantized model would be neither method
             raise QuantizationError(f"{method} needs input features divisible by {INT4_GROUP}: {', '.join(bad)}")
         if method == "w4a8" and lowbit.kernels() is None:  # also before replacing any
             raise _w4a8_unavailable()
+        if method == "w4a16-bf16prefill" and (lowbit.kernels() is None or not lowbit.kernels().bf16):
+            raise _bf16prefill_unavailable()
         fused: set[int] = set()
         for parent in {id(p): p for p, _, _ in targets}.values():
             for names in FUSED_INPUT_SIBLINGS:

@@ -31,7 +31,7 @@ import torch
 from magnitude.engine.output import RunnerOutput, SampledToken, ScheduledSeq, StepPlan
 from magnitude.engine.quantization import QuantizationRecord
 from magnitude.engine.sampling import SamplingParams
-from magnitude.runner import quant_eval
+from magnitude.runner import lowbit, quant_eval
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_paged_batch
 from magnitude.runner.constraints import advance_constraint, advance_through_drafts, can_draft, settle_drafts
 from magnitude.runner.defaults import choose_kv_cache_dtype
@@ -322,9 +322,19 @@ class ModelRunner:
         batch = build_paged_batch(slices, self.block_size, self.kv.k_layers, self.kv.v_layers, self.device)
         return torch.from_numpy(ids).to(self.device)[None], torch.from_numpy(pos).to(self.device)[None], batch
 
-    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: Any) -> torch.Tensor:
+    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: Any,
+                work: list[_Work]) -> torch.Tensor:
         """The decoder's last hidden state for every row of the flattened step ([T, hidden])."""
-        return self._decoder(input_ids, position_ids, batch)
+        if self.quantization != "w4a16-bf16prefill":
+            return self._decoder(input_ids, position_ids, batch)
+        # Prompt rows: a sequence scheduled with more than one token (as StepTiming counts prefill),
+        # so a decode, with or without drafts to verify, stays exact.
+        rows = np.zeros(input_ids.shape[-1], dtype=np.uint8)
+        for w in work:
+            if len(w.seq.token_ids) > 1:
+                rows[w.offset : w.offset + len(w.seq.token_ids)] = 1
+        with lowbit.bf16_rows(rows):
+            return self._decoder(input_ids, position_ids, batch)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the given rows, with the model's final soft-capping (Gemma 2) when it has one:
@@ -340,7 +350,7 @@ class ModelRunner:
         timing.num_prefill_tokens = sum(len(w.seq.token_ids) for w in work if len(w.seq.token_ids) > 1)
         t1 = time.perf_counter()
 
-        hidden = self._hidden(input_ids, position_ids, batch)
+        hidden = self._hidden(input_ids, position_ids, batch, work)
         # Rows that produce a token: the last real token, plus one per draft for verification.
         samplers = [w for w in work if w.seq.sample]
         rows: list[int] = []
@@ -435,7 +445,8 @@ class ModelRunner:
         rows = []
         for start in range(0, len(ids), chunk):
             seq = ScheduledSeq("score", ids[start : start + chunk], start, table, False, _GREEDY)
-            hidden = self._hidden(*self._prepare([_Work(seq)], len(seq.token_ids)))
+            work = [_Work(seq)]
+            hidden = self._hidden(*self._prepare(work, len(seq.token_ids)), work)
             rows.append(torch.log_softmax(self._lm_head(hidden).float(), -1).cpu())
         return torch.cat(rows)
 
