@@ -46,8 +46,10 @@ from magnitude.sim.trace import write_trace  # noqa: E402
 
 DTYPES = {"fp32": ["--dtype", "float32"], "bf16": ["--dtype", "bfloat16"],
           "int8": ["--dtype", "float32", "--quantization", "w8a8"],
-          # weight-only low-bit linears: w4a16 is the default for this GGUF on every CPU (runner/defaults.py)
+          # weight-only low-bit linears: this GGUF's default is w4a16-bf16prefill on CPUs with
+          # AVX512-BF16, w4a16 on the others (runner/defaults.py)
           "w4a16": ["--dtype", "float32", "--quantization", "w4a16"],
+          "w4a16-bf16prefill": ["--dtype", "float32", "--quantization", "w4a16-bf16prefill"],
           "w8a16": ["--dtype", "float32", "--quantization", "w8a16"]}
 ADMIN = "bench-admin"
 

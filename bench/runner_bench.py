@@ -17,6 +17,9 @@ Systems (started one at a time on 127.0.0.1, killed after their traces):
   (`--quantization w4a16`);
 - magnitude-default: `magnitude serve` with no --dtype/--quantization and no token budget or chunk
   (this CPU's default weights, scheduler settings derived from the start-up calibration);
+- magnitude-w4a16-derived: w4a16 with scheduler settings derived as magnitude-default's (the default
+  weights on CPUs without AVX512-BF16; beside magnitude-default on one with it, what its bf16 prompt
+  products gain);
 - magnitude-default-f32kv: the same with the KV cache in float32 (`--set kvCache.dtype=float32`;
   the default's is float16 beside w4a16 weights);
 - magnitude-w4a8: the w4a16 weights times int8-rounded activations (`--quantization w4a8`, what
@@ -147,6 +150,7 @@ MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int | None]] = {
     "magnitude-w4a16": (["--dtype", "float32", "--quantization", "w4a16"], 128),  # budget as int8: not swept
     "magnitude-default": ([], None),  # what `magnitude serve` does with nothing set
     "magnitude-default-f32kv": (["--set", "kvCache.dtype=float32"], None),
+    "magnitude-w4a16-derived": (["--dtype", "float32", "--quantization", "w4a16"], None),
     # llama.cpp's own numerics for these weights (Q4_1 x Q8_1); its record fails one probe on
     # SmolLM2 (docs/runner.md), so this run allows one; scheduler settings derived as the default's
     "magnitude-w4a8": (["--dtype", "float32", "--quantization", "w4a8",

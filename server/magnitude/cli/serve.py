@@ -77,19 +77,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "replaces the source's own name, as in vLLM (default: the GGUF's stem, the directory's name, or org/name)")
     p.add_argument("--device", help="cpu or cuda (default: automatic)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16. auto with --quantization auto: "
-                   "the default weights per device (docs/runner.md): bfloat16 on CUDA; on CPU float32 with w4a16 for a Q4_1 "
-                   "GGUF, else bfloat16 on CPUs with AMX/AVX512-BF16 and float32 on others; auto with a quantization "
+                   "the default weights per device (docs/runner.md): bfloat16 on CUDA; on CPU float32 with "
+                   "w4a16-bf16prefill (CPUs with AVX512-BF16) or w4a16 (others) for a Q4_1 GGUF, else bfloat16 on CPUs with AMX/AVX512-BF16 and float32 on others; auto with a quantization "
                    "given: float32 on CPU")
     p.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=None,
                    help="CPU weight formats for the decoder linears and LM head: w4a16 = 4-bit weights in groups of "
                    "32 (GGUF Q4_1's layout), int8 LM head, fp32 activations on Magnitude's kernels (bf16 on torch's "
                    "where a C compiler is missing); w4a8 = w4a16's weights with activations rounded to int8 per group "
                    "of 32 and integer dot products (GGUF Q4_1 x Q8_1, as llama.cpp; Magnitude's kernels only); "
-                   "w8a16 = int8 weights, "
+                   "w4a16-bf16prefill = w4a16 with prompt chunks' products in bf16 (AVX512-BF16 dot products; decodes "
+                   "as w4a16; Magnitude's kernels on a CPU with avx512_bf16 only); w8a16 = int8 weights, "
                    "activations in --dtype (weight-only); w8a8 = int8 weights and activations, SmoothQuant-calibrated "
                    "(int8 is its earlier name); auto (default) = the default weights per device with --dtype auto "
-                   "(w4a16 on any CPU serving a Q4_1 GGUF, falling back to float32 if its evaluation record "
-                   "fails), else none. Embeddings, norms, attention and the KV cache keep --dtype. "
+                   "(w4a16-bf16prefill on a CPU with AVX512-BF16, else w4a16, for a Q4_1 GGUF; falling back to "
+                   "w4a16, then float32, if its evaluation record fails), else none. Embeddings, norms, attention and the KV cache keep --dtype. "
                    "Before serving, the engine evaluates the quantized model against the unquantized one and refuses "
                    "to serve a quantization given by name below the config's quantizationEvaluation thresholds "
                    "(/readyz phase quantization_rejected). The choice and its reason are logged and shown in /readyz "
@@ -279,16 +280,18 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
             )
 
         runner = make_runner(choice)
-        if choice.chosen_by == "default" and runner.quantization_record is not None:
+        while choice.chosen_by in ("default", "fallback") and runner.quantization_record is not None:
             from magnitude.engine.quantization import judge
             from magnitude.runner.defaults import fallback
 
             verdict = judge(runner.quantization_record, config.quantization_evaluation)
-            if not verdict.passed:  # a default is not worth refusing to serve: the exact weights instead
-                choice = fallback(choice, verdict.failures)
-                log.warning("default weights: %s", choice.reason)
-                del runner
-                runner = make_runner(choice)
+            if verdict.passed:
+                break
+            # a default is not worth refusing to serve: the next weights in line, down to the exact ones
+            choice = fallback(choice, verdict.failures)
+            log.warning("default weights: %s", choice.reason)
+            del runner
+            runner = make_runner(choice)
         runner.weights_choice = choice  # /readyz `weights`
         log.info("weights: dtype %s, quantization %s (%s: %s); KV cache %s (%s)", str(runner.dtype).removeprefix("torch."),
                  runner.quantization, choice.chosen_by, choice.reason, runner.kv_cache_dtype, runner.kv_cache_dtype_reason)
@@ -313,7 +316,14 @@ def _weights_choice(args: argparse.Namespace, source: str) -> Any:
             q4_1 = q4_1_gguf(resolve_source(source).path)
         except ModelSourceError:
             pass  # the load reports it, by name
-    return choose_weights(args.dtype, args.quantization, pick_device(args.device).type, q4_1)
+    device = pick_device(args.device).type
+    bf16_kernels = None
+    if auto and q4_1 and device == "cpu":
+        from magnitude.runner import lowbit
+
+        kernels = lowbit.kernels()
+        bf16_kernels = kernels is not None and kernels.bf16
+    return choose_weights(args.dtype, args.quantization, device, q4_1, bf16_kernels=bf16_kernels)
 
 
 def calibrate(runner: Any, progress: Any) -> None:
