@@ -162,3 +162,41 @@ def test_the_runner_marks_prompt_chunks_and_not_decodes(bf16_kernel, tmp_path):
           f"on {kernel_description('w4a16-bf16prefill')}")
     assert 0 < gap < 2e-2
     assert torch.equal(exact.score_tokens(ids[:12], 1), bf16.score_tokens(ids[:12], 1))
+
+
+@pytest.mark.model
+def test_its_fused_step_takes_longer_chunks_and_more_keys_than_w4a16s(bf16_kernel, tmp_path):
+    """Under w4a16-bf16prefill the fused step takes a step whose chunk has more rows than
+    FUSED_MAX_CHUNK_ROWS, or attends to more keys than FUSED_MAX_CHUNK_KEYS, up to the _BF16
+    bounds (its products are then as cheap in both forwards, and its attention still wins); a
+    w4a16 model's fused step declines the same step, and both decline one past the _BF16 bounds."""
+    from magnitude.runner.attention import SeqSlice, build_paged_batch
+    from magnitude.runner.fused_decode import (
+        FUSED_MAX_CHUNK_KEYS, FUSED_MAX_CHUNK_KEYS_BF16, FUSED_MAX_CHUNK_ROWS, FUSED_MAX_CHUNK_ROWS_BF16, fused_decoder,
+        runs_fused)
+    from magnitude.runner.paged_decoder import lean_family
+
+    assert FUSED_MAX_CHUNK_ROWS_BF16 > FUSED_MAX_CHUNK_ROWS and FUSED_MAX_CHUNK_KEYS_BF16 > FUSED_MAX_CHUNK_KEYS
+    path = build_tiny_model("llama", tmp_path / "l")
+    exact, bf16 = _runner(path, quantization="w4a16"), _runner(path, quantization="w4a16-bf16prefill")
+
+    def batch(runner, seqs):  # (tokens cached, tokens this step); block tables are not read
+        slices, offset = [], 0
+        for cached, n in seqs:
+            slices.append(SeqSlice(offset, n, cached, list(range(-(-(cached + n) // 16)))))
+            offset += n
+        return build_paged_batch(slices, 16, runner.kv.k_layers, runner.kv.v_layers, runner.device)
+
+    long_chunk = [(100, 1), (0, FUSED_MAX_CHUNK_ROWS + 1)]
+    deep = (FUSED_MAX_CHUNK_KEYS_BF16 - 136) // 16  # 16 rows at s..s+15 attend to 16 s + 136 keys
+    within, past = [(deep, 16)], [(deep + 1, 16)]
+    assert not runs_fused(batch(exact, long_chunk)) and not runs_fused(batch(exact, within))
+    chooses = {}
+    for name, runner in (("w4a16", exact), ("bf16", bf16)):
+        inner = runner.model.model
+        forward = fused_decoder(inner, lean_family(inner).window)
+        chooses[name] = {k: forward.choose(batch(runner, seqs)) for k, seqs in
+                         (("long", long_chunk), ("deep", within), ("past", past),
+                          ("too long", [(0, FUSED_MAX_CHUNK_ROWS_BF16 + 1)]))}
+    assert chooses["w4a16"] == {"long": False, "deep": False, "past": False, "too long": False}
+    assert chooses["bf16"] == {"long": True, "deep": True, "past": False, "too long": False}

@@ -55,7 +55,7 @@ ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "11"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+CALIBRATION_VERSION = "13"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
 # 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
@@ -65,6 +65,7 @@ CALIBRATION_VERSION = "11"  # 2: per_swap_token by measure_swap; 3: the attentio
 # 9: contexts read from written pool pages (attention_cost.materialize), 2 far decodes;
 # 10: the fused step bounds chunk rows only (fused_decode.FUSED_MAX_CHUNK_ROWS): cells of many decodes beside a chunk run fused
 # 11: cells relative to a reference step run beside each (REFERENCE_DECODES)
+# 12-13: under w4a16-bf16prefill chunks of up to 512 rows and 150k keys run fused (fused_decode.*_BF16)
 
 # The reference step timed before and after every measured cell: one decode at the grid's context, the
 # cheapest step (one more step per measured cell: 18-20 ms each on two AVX2 EPYC cores, under a second

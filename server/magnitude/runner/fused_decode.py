@@ -130,19 +130,25 @@ class _RopeTable:
 FUSED_MAX_CHUNK_ROWS = 64
 FUSED_MAX_CHUNK_KEYS = 64_000
 # With w4a16-bf16prefill's bf16 products a chunk's products are about 3x cheaper in both forwards,
-# and the fused step's beat the lean forward's at every chunk size measured; the key bound above
-# still holds. Fused against lean, two AVX-512 BF16 EPYC cores (`bench/step_profile.py
+# and the fused step beats the lean forward at every chunk size measured, and up to about twice the
+# keys. Fused against lean, two AVX-512 BF16 EPYC cores (`bench/step_profile.py
 # --compare-decoders --quantization w4a16-bf16prefill --threads 2 --batches 24 --contexts 200
 # --prefills 16+64,16+96,16+128,96,128,256,64@1000 --steps 7`, then `--prefills 64@2000,64@4000,
 # 128@2000,256@1000,512,16+256@500 --steps 5`): 16+96 0.77x, 16+128 0.79x, chunks alone of 96, 128,
 # 256 and 512 rows 0.83x, 0.86x, 0.86x, 0.89x, 16+256 at 500 0.90x; 64 at 1,000 0.92x, but 64 at
-# 2,000 1.08x, 64 at 4,000 1.16x, 128 at 2,000 1.14x and 256 at 1,000 1.05x (130k keys and more).
+# 2,000 1.08x, 64 at 4,000 1.16x, 128 at 2,000 1.14x and 256 at 1,000 1.05x. Then beside 2-4
+# decodes at context 100 (`--batches 3 --contexts 100 --prefills 3+83@940,2+95@641,4+78@1080,
+# 4+128@1000` and `3+32@3000,3+64@1500,3+48@2500,3+100@1300,3+64@2000 --steps 5`, the long
+# trace's chunks): 78-136k keys 0.78-0.88x, and 64 at 2,000 0.91x this time. So the bound is
+# FUSED_MAX_CHUNK_KEYS_BF16, between the 136k that won and the 260k that lost.
 FUSED_MAX_CHUNK_ROWS_BF16 = 512
+FUSED_MAX_CHUNK_KEYS_BF16 = 150_000
 # KV pools the C code reads and writes (kvCache.dtype float32 or float16; attention sums in fp32).
 FUSED_POOL_DTYPES = (torch.float32, torch.float16)
 
 
-def runs_fused(batch: PagedBatch, max_chunk_rows: int = FUSED_MAX_CHUNK_ROWS) -> bool:
+def runs_fused(batch: PagedBatch, max_chunk_rows: int = FUSED_MAX_CHUNK_ROWS,
+               max_chunk_keys: int = FUSED_MAX_CHUNK_KEYS) -> bool:
     """Whether the fused forward takes this step (see FUSED_MAX_CHUNK_ROWS); decode rows always qualify."""
     rows = batch.num_tokens
     decode_rows = [g.q_index[:, 0] for g in batch.groups if g.q_index.shape[1] == 1]
@@ -153,7 +159,7 @@ def runs_fused(batch: PagedBatch, max_chunk_rows: int = FUSED_MAX_CHUNK_ROWS) ->
         return False
     keys = int(batch.row_positions.sum()) + rows  # every row attends to its position + 1 keys
     keys -= sum(int(batch.row_positions[r.numpy()].sum()) + len(r) for r in decode_rows)
-    return keys <= FUSED_MAX_CHUNK_KEYS
+    return keys <= max_chunk_keys
 
 
 def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
@@ -162,8 +168,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     `window(attn)` gives each layer's sliding window), or None when the model is not one it runs:
     not w4a16 (or not w4a8) on Magnitude's kernels throughout, not fp32, or not SiLU. The forward
     returns the final norm's output, or None for a step `choose` declines (by default
-    `runs_fused`, with FUSED_MAX_CHUNK_ROWS_BF16 under w4a16-bf16prefill), for the caller to run the
-    lean forward.
+    `runs_fused`, with FUSED_MAX_CHUNK_ROWS_BF16 and FUSED_MAX_CHUNK_KEYS_BF16 under
+    w4a16-bf16prefill), for the caller to run the lean forward.
 
     The weights' addresses are taken now (their tensors kept alive with the forward): a model whose
     modules or buffers are replaced later needs a new forward, as runner.py builds after quantizing."""
@@ -230,7 +236,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                 act_int8=int(next(iter(activations)) == "int8"))
     bf16prefill = activations.pop() == "bf16prefill"  # its products read the step's marked rows
     if bf16prefill and choose is runs_fused:
-        choose = functools.partial(runs_fused, max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16)
+        choose = functools.partial(runs_fused, max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16,
+                                   max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16)
     rope = _RopeTable(inner.rotary_emb)
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor | None:
@@ -268,4 +275,5 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         return h
 
     forward.keep = keep  # type: ignore[attr-defined]
+    forward.choose = choose  # type: ignore[attr-defined]  # which steps it takes (tests read it)
     return forward
