@@ -279,11 +279,11 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
             draft_quantization=config.draft_model.quantization if config.draft_model is not None else "none",
             )
 
+        from magnitude.engine.quantization import judge
+        from magnitude.runner.defaults import fallback
+
         runner = make_runner(choice)
         while choice.chosen_by in ("default", "fallback") and runner.quantization_record is not None:
-            from magnitude.engine.quantization import judge
-            from magnitude.runner.defaults import fallback
-
             verdict = judge(runner.quantization_record, config.quantization_evaluation)
             if verdict.passed:
                 break

@@ -222,6 +222,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     eps = {float(n.variance_epsilon) for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
     if len(eps) != 1 or len(activations) != 1 or inner.norm.weight.dtype != torch.float32:
         return None
+    kind = activations.pop()  # one kind throughout (checked above)
     final_norm = inner.norm.weight.detach().contiguous()
     keep.append(final_norm)
     final_eps = float(inner.norm.variance_epsilon)
@@ -233,8 +234,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         table[i].window = win
     dims = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling),
-                act_int8=int(next(iter(activations)) == "int8"))
-    bf16prefill = activations.pop() == "bf16prefill"  # its products read the step's marked rows
+                act_int8=int(kind == "int8"))
+    bf16prefill = kind == "bf16prefill"  # its products read the step's marked rows
     if bf16prefill and choose is runs_fused:
         choose = functools.partial(runs_fused, max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16,
                                    max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16)

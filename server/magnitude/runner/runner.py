@@ -333,6 +333,8 @@ class ModelRunner:
         for w in work:
             if len(w.seq.token_ids) > 1:
                 rows[w.offset : w.offset + len(w.seq.token_ids)] = 1
+        if not rows.any():  # a decode-only step: nothing to mark
+            return self._decoder(input_ids, position_ids, batch)
         with lowbit.bf16_rows(rows):
             return self._decoder(input_ids, position_ids, batch)
 
