@@ -10,11 +10,12 @@ import json
 import pytest
 
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MAX_FIXED_S, SERVED_MIN_STEPS,
-                                SERVED_PRIOR_SPREAD,
+from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MAX_FIXED_S,
+                                SERVED_MAX_PER_DECODE_S, SERVED_MIN_STEPS, SERVED_PRIOR_SPREAD,
                                 SERVED_WINDOW, CostModelError, SchedulerLimits, ServedCost, TableCost,
-                                cost_model_from_document, derivation_model, derive_scheduler_limits, limits_moved,
-                                scheduler_cost)
+                                READING_PACE_ITL_MS, cost_model_from_document, derivation_model, derive_scheduler_limits,
+                                limits_moved)
+from magnitude.sim.served_limits import LimitsFollower
 from magnitude.sim.report import build_report
 from magnitude.sim.simulate import simulate
 
@@ -115,6 +116,75 @@ def test_the_fit_does_not_jump_where_the_window_starts_to_spread(slope: float) -
     assert min(1.0, slope) < below.factor < max(1.0, slope) and min(1.0, slope) < above.factor < max(1.0, slope)
 
 
+def _window(per_decode_s: float, decodes) -> list[tuple[float, float, int]]:
+    """A mixed trace's window: steps of 5-100 ms carrying `decodes(i)` decodes, each served at 4 ms +
+    `per_decode_s` a decode + 1.1x its prediction."""
+    out = []
+    for i in range(SERVED_WINDOW):
+        p, d = 0.005 + 0.005 * (i % 20), decodes(i)
+        out.append((p, 0.004 + per_decode_s * d + 1.1 * p, d))
+    return out
+
+
+def test_what_each_decode_adds_is_learned_where_the_decode_counts_differ() -> None:
+    """Served steps pay per stream they produce a token for (booking, detokenizing, streaming it):
+    where the window's steps carry from 1 to 24 decodes, the three-term line finds that share, near
+    the window's own (the prior of 0 shrinks it a little), and a step without decodes is not charged
+    it. The two-term line takes it as a fixed cost every step pays."""
+    window = _window(0.0008, lambda i: 1 + (7 * i) % 24)
+    three, two = ServedCost(MEASURED), ServedCost(MEASURED)
+    for p, r, d in window:
+        three.observe(p, r, d)
+        two.observe(p, r)  # decodes unknown: the two-term line
+    print(f"\nthree-term: {three.name}; two-term: {two.name}")
+    assert 0.0006 < three.per_decode_s <= 0.0008 and two.per_decode_s == 0.0
+    assert three.factor == pytest.approx(1.1, abs=0.02)
+    assert three.fixed_s < 0.008 < two.fixed_s  # the two-term line charges 12.5 decodes' share to every step
+    prefill_only = MEASURED.seconds_for(0, 256)
+    assert three.seconds_for(0, 256) == pytest.approx(three.fixed_s + three.factor * prefill_only)
+    assert three.seconds_for(0, 256) < two.seconds_for(0, 256)
+    busy = three.seconds_for(24, 64) - three.seconds_for(0, 64) - three.factor * (MEASURED.seconds_for(24, 64)
+                                                                                    - MEASURED.seconds_for(0, 64))
+    assert busy == pytest.approx(24 * three.per_decode_s)
+    assert "ms a decode served" in three.name and "a decode" not in two.name
+    # Bounded like the fixed cost.
+    capped = ServedCost(MEASURED)
+    for p, r, d in _window(0.02, lambda i: 1 + (7 * i) % 24):
+        capped.observe(p, r, d)
+    assert capped.per_decode_s == SERVED_MAX_PER_DECODE_S
+
+
+def test_where_every_step_carries_the_same_decodes_their_share_is_the_fixed_cost() -> None:
+    # The 24-request burst's steps, all 24 decodes: a decode's share cannot be told from the fixed
+    # cost, so the line is the two-term one exactly.
+    same, two = ServedCost(MEASURED), ServedCost(MEASURED)
+    for p, r, d in _window(0.0008, lambda i: 24):
+        same.observe(p, r, d)
+        two.observe(p, r)
+    assert same.per_decode_s == 0.0
+    assert (same.fixed_s, same.factor) == (pytest.approx(two.fixed_s), pytest.approx(two.factor))
+
+
+def test_a_decode_share_keeps_prefill_only_steps_efficient_and_the_target_near() -> None:
+    """The burst's served line with the decodes' share as a fixed cost made prefill-only steps look
+    dear: the efficient step and the target grew with it. Learned per decode, prefill-only steps keep
+    their own cost, so the limits stay those of the machine, not of how many streams it served."""
+    sp = resolve_config(None, []).scheduler
+    three = ServedCost(PROPORTIONAL, steps=SERVED_DERIVE_STEPS)
+    two = ServedCost(PROPORTIONAL, steps=SERVED_DERIVE_STEPS)
+    for p, r, d in _window(0.002, lambda i: 1 + (7 * i) % 24):  # 2 ms a decode: 25 ms at the mean
+        three.observe(p, r, d)
+        two.observe(p, r)
+    by_decode, by_step = derive_scheduler_limits(sp, three), derive_scheduler_limits(sp, two)
+    print(f"\n{three.name}: {by_decode}\n{two.name}: {by_step}")
+    # The fixed-only line makes every step pay the decodes' share, so only big prefill-only steps look
+    # efficient (192 tokens), and the target is what that step costs beside 8 decodes, past reading pace.
+    assert by_step.prefill_chunk_size >= 192 and by_step.itl_target_ms > READING_PACE_ITL_MS
+    # Per decode, the step is the one efficient beside 8 decodes, within reading pace.
+    assert by_decode.prefill_chunk_size < by_step.prefill_chunk_size
+    assert by_decode.itl_target_ms <= READING_PACE_ITL_MS
+
+
 # A table whose steps cost in proportion to their tokens (1 ms each, decodes and prefill alike), as
 # this CPU's w4a16 table nearly does: prefill-only steps have no fixed cost, so 16 tokens are already
 # efficient alone; beside 8 decodes (8 ms a step whatever the chunk) 90% of the rate takes 72+.
@@ -131,14 +201,12 @@ def test_limits_follow_served_steps_once_enough_are_judged() -> None:
     # Until SERVED_DERIVE_STEPS served steps are judged, the table (a few steps say little).
     young = ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS - 1, 0.008)
     assert derivation_model(young) is PROPORTIONAL and derive_scheduler_limits(sp, young) == table
-    assert scheduler_cost(young, sp) is PROPORTIONAL
     # Then each served step pays 8 ms the table left out: beside 8 decodes (16 ms a step) 90% of the
     # rate takes 144+ tokens (the candidates: 192; reading pace allows 128), and the target is that
     # step beside 8 decodes as served.
     served = ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS, 0.008)
     assert derivation_model(served) is served
     assert derive_scheduler_limits(sp, served) == SchedulerLimits(128, 128, 144.0, "derived")
-    assert scheduler_cost(served, sp) is served  # the bound is in the target's own (served) seconds
     # A scale alone stretches the steps' time: 96 tokens beside 8 decodes (208 ms) is past reading
     # pace, so the step is the largest candidate within it.
     assert derive_scheduler_limits(sp, ServedCost(PROPORTIONAL, 2.0, SERVED_DERIVE_STEPS)) == \
@@ -158,21 +226,23 @@ def test_a_replay_of_served_times_follows_them_as_the_engine_did() -> None:
            "meta": {"servedOverPredicted": 1.0, "servedFixedSeconds": 0.008, "servedSteps": 600}}
     result = simulate(documents(), resolve_config(None, []), cost_model_from_document(doc))
     assert result.config.scheduler.itl_target_ms == 104.0  # the table's, as the engine started
-    # The table's limits, run at the served times, miss their own target step after step, until
-    # SERVED_DERIVE_STEPS judged steps have taught the replay the fixed 8 ms: then the limits the
-    # served line derives (128 / 128 / 144 ms from the line itself, test above), and no decoding step
-    # over that target.
+    # The table's limits, run at the served times, miss their own target until SERVED_MIN_STEPS judged
+    # steps have taught the replay the fixed 8 ms; from then on the steps are bounded by the served
+    # line, and the table's target holds too (a derived target is a promise, as an explicit one is).
+    # After SERVED_DERIVE_STEPS judged steps, the limits the served line derives (128 / 128 / 144 ms
+    # from the line itself, test above), and no decoding step over that target.
     [(changed_at, limits)] = result.limits_changes
     assert build_report(result)["limits_changes"] == [{"t": changed_at, **limits.to_document()}]
     assert limits.itl_target_ms == pytest.approx(144.0, abs=2.0) and limits.prefill_chunk_size > 96
     before = [s for s in decoding_steps(result) if s.t < changed_at]
     after = [s for s in decoding_steps(result) if s.t >= changed_at]
-    assert sum(s.duration > 0.104 for s in before) > 30
+    assert max(s.duration for s in before[:SERVED_MIN_STEPS]) > 0.104
+    late = before[2 * SERVED_MIN_STEPS:]
+    assert len(late) > 20 and max(s.duration for s in late) <= 0.104 + 1e-9
     assert len(after) > 30 and max(s.duration for s in after) <= limits.itl_target_ms / 1000.0 + 1e-9
-    # A table without a served line: its steps take the table's times, and the limits stay (the
-    # bound moves to the learned model, which predicts the table's times).
+    # A table without a served line: its steps take the table's times, and the limits stay.
     plain = simulate(documents(), resolve_config(None, []), PROPORTIONAL)
-    assert [limits for _, limits in plain.limits_changes] == [SchedulerLimits(96, 96, 104.0, "derived")]
+    assert plain.limits_changes == [] and plain.config.scheduler.itl_target_ms == 104.0
 
 
 def test_derived_limits_move_only_past_the_tolerance() -> None:
@@ -186,8 +256,11 @@ def test_derived_limits_move_only_past_the_tolerance() -> None:
 
 def test_an_explicit_target_bounds_served_steps() -> None:
     served = ServedCost(MEASURED, 2.0)
+    # The bound starts from the table as measured (a document's served line is another run's), and
+    # learns this run's served steps.
     explicit = resolve_config(None, ["scheduler.itlTargetMs=150"]).scheduler
-    assert scheduler_cost(served, explicit) is served
+    follower = LimitsFollower(explicit, served)
+    assert follower.bound is follower.served and follower.bound.seconds_for(4, 64) == MEASURED.seconds_for(4, 64)
 
     config = resolve_config(None, ["scheduler.tokenBudget=8192", "scheduler.itlTargetMs=150"])
     steps = decoding_steps(simulate(documents(), config, served))
@@ -202,22 +275,34 @@ def test_an_explicit_target_bounds_served_steps() -> None:
 
 
 def test_a_document_with_the_served_factor_replays_served_times(tmp_path) -> None:
-    config = resolve_config(None, [])
+    # Explicit limits and no target: the plans do not depend on the step times.
+    config = resolve_config(None, ["scheduler.tokenBudget=256", "scheduler.prefillChunkSize=128"])
     burst = [r.model_copy(update={"arrival": 0.0}) for r in documents()]  # the same plans at any speed
     plain = simulate(burst, config, cost_model_from_document(table_document(device="cpu")))
     served_model = cost_model_from_document(table_document(device="cpu", servedOverPredicted=1.5,
                                                            servedFixedSeconds=0.004, servedSteps=400))
     assert isinstance(served_model, ServedCost) and served_model.steps == 400
-    assert served_model.document_meta() == {"servedOverPredicted": 1.5, "servedFixedSeconds": 0.004, "servedSteps": 400}
+    assert served_model.document_meta() == {"servedOverPredicted": 1.5, "servedFixedSeconds": 0.004,
+                                            "servedPerDecodeSeconds": 0.0, "servedSteps": 400}
     served = simulate(burst, config, served_model)
-    # A derived target is a table time, so the plans are the same; every step lasts 4 ms + 1.5x.
+    # The same plans; every step lasts 4 ms + 1.5x.
     assert [(s.decode, s.prefill) for s in served.steps] == [(s.decode, s.prefill) for s in plain.steps]
     assert len(served.steps) > 20
     for a, b in zip(served.steps, plain.steps):
         assert a.duration == pytest.approx(0.004 + 1.5 * b.duration)
     assert "served" in served_model.name
+    # With a share per decode, each step pays it for the decodes it carries.
+    per_decode = cost_model_from_document(table_document(device="cpu", servedOverPredicted=1.5, servedFixedSeconds=0.004,
+                                                         servedPerDecodeSeconds=0.0005, servedSteps=400))
+    streamed = simulate(burst, config, per_decode)
+    assert [(s.decode, s.prefill) for s in streamed.steps] == [(s.decode, s.prefill) for s in plain.steps]
+    assert max(len(s.decode) for s in streamed.steps) > 4
+    for a, b in zip(streamed.steps, plain.steps):
+        assert a.duration == pytest.approx(0.004 + 0.0005 * len(a.decode) + 1.5 * b.duration)
+    assert per_decode.document_meta()["servedPerDecodeSeconds"] == 0.0005
     # A document from before the fixed cost was fitted: the ratio alone.
     assert cost_model_from_document(table_document(servedOverPredicted=1.5)).fixed_s == 0.0
+    assert cost_model_from_document(table_document(servedOverPredicted=1.5)).per_decode_s == 0.0
 
 
 @pytest.mark.parametrize("bad", [0.1, 10.0, "2", True])
@@ -235,3 +320,10 @@ def test_a_served_step_count_that_is_not_a_count_is_refused_by_name() -> None:
 def test_a_served_fixed_cost_out_of_bounds_is_refused_by_name(bad) -> None:
     with pytest.raises(CostModelError, match="meta.servedFixedSeconds"):
         cost_model_from_document(json.loads(json.dumps(table_document(servedOverPredicted=1.2, servedFixedSeconds=bad))))
+
+
+@pytest.mark.parametrize("bad", [-0.001, 0.05, "0.001", True])
+def test_a_served_per_decode_cost_out_of_bounds_is_refused_by_name(bad) -> None:
+    with pytest.raises(CostModelError, match="meta.servedPerDecodeSeconds"):
+        cost_model_from_document(json.loads(json.dumps(table_document(servedOverPredicted=1.2,
+                                                                      servedPerDecodeSeconds=bad))))

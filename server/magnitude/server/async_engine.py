@@ -217,7 +217,7 @@ class AsyncEngine:
         # The cost model fitted to served steps (sim/cost.py ServedCost), learned from every step the
         # loop serves; None without a model in seconds.
         self.served_cost: Any = None
-        self.scheduler_cost_model: Any = None  # what the scheduler bounds steps by (sim/cost.py scheduler_cost)
+        self.scheduler_cost_model: Any = None  # what the scheduler bounds steps by (LimitsFollower.bound)
         self.scheduler_limits: SchedulerLimits | None = None  # what the scheduler runs with
         # recordTrace: ended requests go to a writer thread as trace lines (server/trace_recorder.py).
         self.trace_recorder: TraceRecorder | None = None
@@ -327,9 +327,9 @@ class AsyncEngine:
         """The config the scheduler runs with: a null tokenBudget / prefillChunkSize derived from the
         cost model (given with --cost-model, else the runner's start-up calibration) and the ITL target;
         reported on /readyz (`scheduler`) and as magnitude_scheduler_* gauges. Also the model the
-        scheduler bounds steps by: with itlTargetMs set, the table scaled to what served steps take
-        (ServedCost, learned from every step in after_step); with a derived target, the model it was
-        derived from (the table, until _follow_served_steps derives the limits from served steps)."""
+        scheduler bounds steps by, for an explicit or a derived target alike: the table scaled to what
+        served steps take (ServedCost, learned from every step in after_step; the table's own times
+        until enough are judged)."""
         if self.cost_model_document is None:
             self.cost_model_document = getattr(runner, "cost_model_document", None)
         if self.cost_model is None and self.cost_model_document is not None:
@@ -588,9 +588,10 @@ class AsyncEngine:
         self.scheduler_cost_model, self.scheduler_limits = change.bound, new
         self.metrics.set_scheduler_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, new.source)
         log.info("scheduler: tokenBudget %d, prefillChunkSize %d, itlTargetMs %s (derived again from %d served "
-                 "steps: %.1f ms + %.3fx the table; were %d, %d, %s)", new.token_budget, new.prefill_chunk_size,
-                 new.itl_target_ms, self.served_cost.steps, self.served_cost.fixed_s * 1000.0,
-                 self.served_cost.factor, old.token_budget, old.prefill_chunk_size, old.itl_target_ms)
+                 "steps: %.1f ms + %.2f ms a decode + %.3fx the table; were %d, %d, %s)", new.token_budget,
+                 new.prefill_chunk_size, new.itl_target_ms, self.served_cost.steps, self.served_cost.fixed_s * 1000.0,
+                 self.served_cost.per_decode_s * 1000.0, self.served_cost.factor, old.token_budget,
+                 old.prefill_chunk_size, old.itl_target_ms)
 
     def _draft_failed(self) -> bool:
         """Whether the runner's draft model failed at run time (runner/draft_model.py: it drafts no

@@ -184,9 +184,24 @@ class TableCost:
 # SERVED_FACTOR_BOUNDS. A step counts at most SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] times
 # its prediction (one stall on a shared host must not set the bound for the next few hundred
 # steps). Steps predicted under SERVED_MIN_PREDICTED_S are not judged.
+#
+# What served steps add also grows with the decodes they carry. Over the 24-request burst and then
+# the long-prompt trace on two AVX-512 EPYC cores (w4a16-bf16prefill, 2026-12-04), decode-only steps
+# waited 1.25-1.49x the table and steps with a prompt chunk 1.03-1.19x, and the gap between two
+# steps (booking and streaming each token) grew from 0.8 ms at 1 decode to 2.4 ms at 22. A line with
+# a fixed cost only takes the decodes' excess as a fixed cost every step pays: after the burst it
+# fitted 20.9-25.8 ms + 1.0-1.07x, prefill-only steps, which carry no decodes, were charged it too,
+# only 256-token steps looked efficient, and the derived target became 273-293 ms
+# (bench/results/derived_defaults.md). So the line has a third term,
+# real = fixed + per_decode x decodes + scale x predicted, the per-decode cost with a prior of 0
+# worth a spread of SERVED_PRIOR_SPREAD of the mean decode count, as the scale's: where the window's
+# steps carry about the same number of decodes their share cannot be told from the fixed cost and
+# stays with it (the two-term line exactly), where they differ it is the window's own. It stays
+# within [0, SERVED_MAX_PER_DECODE_S]; at 0 the two-term line above, and its rules, hold.
 SERVED_WINDOW = 256
 SERVED_FACTOR_BOUNDS = (0.5, 4.0)
 SERVED_MAX_FIXED_S = 0.05
+SERVED_MAX_PER_DECODE_S = 0.005
 SERVED_PRIOR_SPREAD = 0.25
 SERVED_MIN_PREDICTED_S = 1e-3
 # Steps observed before the window's fit replaces the starting model (1x and 0 s, or a document's):
@@ -198,79 +213,113 @@ SERVED_DERIVE_STEPS = 64
 
 
 class ServedCost:
-    """A cost model in seconds whose predictions are what served steps take: `fixed_s` plus `factor`
-    times the model's (for a step that does any work). The engine calls `observe(predicted, real)`
-    for each step it serves; a document from `GET /debug/cost-model` carries both
-    (`meta.servedFixedSeconds`, `meta.servedOverPredicted`), so the simulator replays with served
+    """A cost model in seconds whose predictions are what served steps take: `fixed_s`, plus
+    `per_decode_s` per decode the step carries, plus `factor` times the model's (for a step that does
+    any work). The engine calls `observe(predicted, real, decodes)` for each step it serves; a
+    document from `GET /debug/cost-model` carries all three (`meta.servedFixedSeconds`,
+    `meta.servedPerDecodeSeconds`, `meta.servedOverPredicted`), so the simulator replays with served
     step times (cost_model_from_document). The table itself (`model`) stays what the calibration
     measured; null limits are derived from the served times once SERVED_DERIVE_STEPS steps are
     judged (derivation_model), from the table before."""
 
-    def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0) -> None:
+    def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0,
+                 per_decode_s: float = 0.0) -> None:
         self.model = model
         self.factor = factor
         self.fixed_s = fixed_s
+        self.per_decode_s = per_decode_s
         self.steps = steps  # served steps observed, including those the model was read with
-        self._window: deque[tuple[float, float]] = deque(maxlen=SERVED_WINDOW)  # (predicted, counted real)
-        # The window's sums of p, r, p*p and p*r (p predicted, r real).
+        # (predicted, counted real, decodes)
+        self._window: deque[tuple[float, float, float]] = deque(maxlen=SERVED_WINDOW)
+        # The window's sums of p, r, d and their products (p predicted, r real, d decodes).
         self._sp = self._sr = self._spp = self._spr = 0.0
+        self._sd = self._sdd = self._sdp = self._sdr = 0.0
 
     @property
     def name(self) -> str:
-        return f"{self.model.name} x {self.factor:.3f} + {self.fixed_s * 1000:.1f} ms served"
+        per_decode = f" + {self.per_decode_s * 1000:.2f} ms a decode" if self.per_decode_s else ""
+        return f"{self.model.name} x {self.factor:.3f} + {self.fixed_s * 1000:.1f} ms{per_decode} served"
 
-    def observe(self, predicted_s: float, real_s: float) -> None:
+    def observe(self, predicted_s: float, real_s: float, decodes: int = 0) -> None:
         if predicted_s < SERVED_MIN_PREDICTED_S or real_s <= 0.0:
             return
         if len(self._window) == self._window.maxlen:
-            p, r = self._window[0]
-            self._add(p, r, -1.0)
+            self._add(*self._window[0], -1.0)
         r = min(real_s, SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] * predicted_s)
-        self._window.append((predicted_s, r))
-        self._add(predicted_s, r, 1.0)
+        self._window.append((predicted_s, r, float(decodes)))
+        self._add(predicted_s, r, float(decodes), 1.0)
         self.steps += 1
         if len(self._window) >= SERVED_MIN_STEPS:
-            self.fixed_s, self.factor = self._fit()
+            self.fixed_s, self.factor, self.per_decode_s = self._fit()
 
-    def _add(self, p: float, r: float, sign: float) -> None:
+    def _add(self, p: float, r: float, d: float, sign: float) -> None:
         self._sp += sign * p
         self._sr += sign * r
         self._spp += sign * p * p
         self._spr += sign * p * r
+        self._sd += sign * d
+        self._sdd += sign * d * d
+        self._sdp += sign * d * p
+        self._sdr += sign * d * r
 
-    def _fit(self) -> tuple[float, float]:
-        """(fixed, scale) of the window: the line shrunk toward the table's own scale, or the
-        summed ratio (see above)."""
+    def _per_decode(self, n: int) -> float:
+        """The per-decode cost of the window's three-term line, its priors included (see above):
+        the 2x2 normal equations of the decode and prediction terms about their means."""
+        mean_p, mean_r, mean_d = self._sp / n, self._sr / n, self._sd / n
+        var_d = max(0.0, self._sdd / n - mean_d * mean_d)
+        if var_d <= 0.0:
+            return 0.0
+        var_p = max(0.0, self._spp / n - mean_p * mean_p)
+        cov_dp = self._sdp / n - mean_d * mean_p
+        cov_dr = self._sdr / n - mean_d * mean_r
+        cov_pr = self._spr / n - mean_p * mean_r
+        prior_p = (SERVED_PRIOR_SPREAD * mean_p) ** 2
+        prior_d = (SERVED_PRIOR_SPREAD * mean_d) ** 2
+        a, b, c = var_d + prior_d, cov_dp, var_p + prior_p
+        det = a * c - b * b
+        if det <= 0.0:
+            return 0.0
+        per_decode = (cov_dr * c - b * (cov_pr + prior_p)) / det
+        return min(SERVED_MAX_PER_DECODE_S, max(0.0, per_decode))
+
+    def _fit(self) -> tuple[float, float, float]:
+        """(fixed, scale, per decode) of the window: the per-decode cost, then on what the steps
+        took less it the line shrunk toward the table's own scale, or the summed ratio (see above)."""
         lo, hi = SERVED_FACTOR_BOUNDS
         n = len(self._window)
-        mean_p, mean_r = self._sp / n, self._sr / n
+        per_decode = self._per_decode(n)
+        # The window as if every step had taken its decodes' share less.
+        sr = self._sr - per_decode * self._sd
+        spr = self._spr - per_decode * self._sdp
+        mean_p, mean_r = self._sp / n, sr / n
         var_p = max(0.0, self._spp / n - mean_p * mean_p)
-        cov = self._spr / n - mean_p * mean_r
+        cov = spr / n - mean_p * mean_r
         prior = (SERVED_PRIOR_SPREAD * mean_p) ** 2
         scale = (cov + prior) / (var_p + prior)
         fixed = mean_r - scale * mean_p
         if fixed <= 0.0:
-            return 0.0, min(hi, max(lo, self._sr / self._sp))
+            return 0.0, min(hi, max(lo, sr / self._sp)), per_decode
         if fixed > SERVED_MAX_FIXED_S:
             fixed = SERVED_MAX_FIXED_S
             scale = (mean_r - fixed) / mean_p
         scale = min(hi, max(lo, scale))
-        return min(SERVED_MAX_FIXED_S, max(0.0, mean_r - scale * mean_p)), scale
+        return min(SERVED_MAX_FIXED_S, max(0.0, mean_r - scale * mean_p)), scale, per_decode
 
-    def _served(self, table_s: float) -> float:
-        return self.fixed_s + self.factor * table_s if table_s > 0.0 else table_s
+    def _served(self, table_s: float, decodes: int) -> float:
+        return self.fixed_s + self.per_decode_s * decodes + self.factor * table_s if table_s > 0.0 else table_s
 
     def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
                     attention: AttentionLoad | None = None) -> float:
-        return self._served(self.model.seconds_for(decodes, prefill_tokens, swapped_tokens, attention=attention))
+        return self._served(self.model.seconds_for(decodes, prefill_tokens, swapped_tokens, attention=attention),
+                            decodes)
 
     def step_seconds(self, plan: StepPlan) -> float:
-        return self._served(self.model.step_seconds(plan))
+        return self._served(self.model.step_seconds(plan), plan_shape(plan, 0)[0])
 
     def document_meta(self) -> dict:
         """What GET /debug/cost-model adds to the table's `meta`."""
         return {"servedOverPredicted": round(self.factor, 4), "servedFixedSeconds": round(self.fixed_s, 5),
-                "servedSteps": self.steps}
+                "servedPerDecodeSeconds": round(self.per_decode_s, 6), "servedSteps": self.steps}
 
 
 def measured_model(cost: CostModel | None) -> CostModel | None:
@@ -288,16 +337,6 @@ def derivation_model(cost: CostModel | None) -> CostModel | None:
     if isinstance(cost, ServedCost) and cost.steps >= SERVED_DERIVE_STEPS:
         return cost
     return measured_model(cost)
-
-
-def scheduler_cost(cost: CostModel | None, sp: SchedulerPolicy) -> CostModel | None:
-    """The model the scheduler bounds steps by (engine and simulator alike), for the policy as
-    configured (before apply_limits writes a derived target in): served step times where
-    `itlTargetMs` is set (a promise about real steps); where the target is derived, the model it
-    was derived from (derivation_model), so the bound and the target are in the same seconds."""
-    if cost is None or sp.itl_target_ms is not None:
-        return cost
-    return derivation_model(cost)
 
 
 # With no `itlTargetMs`, the chunk is the smallest prefill step that keeps this share of the
@@ -517,6 +556,14 @@ def builtin_document(cost: CostModel) -> dict:
     return {"kind": cost.name, **{f.name: getattr(cost, f.name) for f in fields(cost) if f.name != "name"}}
 
 
+def _served_seconds(meta: dict, key: str, most: float, spec: str) -> float:
+    """A served line's seconds from a document's meta (0 when absent: documents from before the term)."""
+    value = meta.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= most:
+        raise CostModelError(f"{spec}: meta.{key}: expected a number in [0, {most}], got {value!r}")
+    return float(value)
+
+
 def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: int = 16) -> CostModel:
     """A cost model from its document (`magnitude profile`'s file, the engine's calibration)."""
     doc = dict(doc)
@@ -532,12 +579,10 @@ def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: in
         steps = meta.get("servedSteps", 0)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise CostModelError(f"{spec}: meta.servedSteps: expected a count, got {steps!r}")
-        fixed = meta.get("servedFixedSeconds", 0.0)
-        if isinstance(fixed, bool) or not isinstance(fixed, (int, float)) or not 0.0 <= fixed <= SERVED_MAX_FIXED_S:
-            raise CostModelError(f"{spec}: meta.servedFixedSeconds: expected a number in [0, {SERVED_MAX_FIXED_S}], "
-                                 f"got {fixed!r}")
+        fixed = _served_seconds(meta, "servedFixedSeconds", SERVED_MAX_FIXED_S, spec)
+        per_decode = _served_seconds(meta, "servedPerDecodeSeconds", SERVED_MAX_PER_DECODE_S, spec)
         return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served), steps,
-                          float(fixed))
+                          fixed, per_decode)
     cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
     if cls is None:
         raise CostModelError(f"{spec}: kind: unknown cost model kind {kind!r} (linear, table)")
