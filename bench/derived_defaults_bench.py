@@ -14,7 +14,8 @@ for calibration. The traces and the streaming client are bench/runner_bench.py's
 dtype and trace, output tok/s and its ratio to the best of the sweep, TTFT p50, ITL p99 and the
 longest stall inside a chat stream (as the client saw text arrive, and as the engine produced the
 tokens: the response's `timing.max_itl_ms`; a token whose text waits to complete a character reaches
-the client with the next one, so the client's gap can span two steps), and the load average before
+the client with the next one, so the client's gap can span two steps), the ITL targets in force
+(read from /readyz before and after each trace: derived limits follow served steps), and the load average before
 and after (a shared host makes every figure noisy: compare within one run). With `--repeats N` every setting runs N times, the
 settings taking turns (derived, then each budget, then again), and each figure is the median of its
 N runs (the stalls: the worst of them), so a slow minute of the host lands on one run of each
@@ -81,8 +82,13 @@ def run_setting(name: str, flags: list[str], sets: list[str], traces: dict[str, 
             (out_dir / f"{name}-cost.json").write_text(json.dumps(doc, indent=1))
         for trace, path in traces.items():
             report = out_dir / f"{name}-{trace}.json"
+            before = httpx.get(url + "/readyz").json().get("scheduler") or {}
             loadgen.main([str(path), "--url", url, "--out", str(report), "--timeout", "900"])
             result[trace] = rb.summarize(json.loads(report.read_text()), trace)
+            # The derived limits follow served steps (docs/scheduler.md), so the target a trace's steps
+            # were bounded by is the one in force before it and, if they moved during it, the one after.
+            after = httpx.get(url + "/readyz").json().get("scheduler") or {}
+            result[trace]["itl_targets_ms"] = [before.get("itlTargetMs"), after.get("itlTargetMs")]
         print(f"  {name}: {json.dumps(result)}", flush=True)
     finally:
         rb.stop_server(proc)
@@ -144,6 +150,8 @@ def median_run(runs: list[dict], trace: str) -> dict:
         values = [f[k] for f in figures if f.get(k) is not None]
         out[k] = max(values) if values else None
     out["runs_tok_s"] = [round(f["output_tok_s"], 1) for f in figures]
+    targets = [t for f in figures for t in f.get("itl_targets_ms") or [] if t is not None]
+    out["targets"] = f"{min(targets):.0f}-{max(targets):.0f}" if targets else "-"
     return out
 
 
@@ -166,12 +174,12 @@ def print_table(results: dict, dtypes: list[str], traces: list[str]) -> None:
             med = {name: median_run(runs, trace) for name, runs in rows.items()}
             ratio = of_best(rows, trace)
             print(f"  {trace:5} {'setting':>8} {'tok/s':>7} {'of best':>7} {'TTFT p50':>9} {'ITL p99':>8} "
-                  f"{'stall':>7} {'chat stall':>10} {'engine':>7}  runs' tok/s")
+                  f"{'stall':>7} {'chat stall':>10} {'engine':>7} {'target ms':>9}  runs' tok/s")
             for name, m in med.items():
                 print(f"  {'':5} {name:>8} {m['output_tok_s']:7.1f} {ratio[name]:7.2f} "
                       f"{m['ttft_p50']:9.2f} {m['itl_p99']:8.3f} {m['longest_stall']:7.3f} "
-                      f"{m['chat_longest_stall'] or float('nan'):10.3f} {m['chat_engine_stall'] or float('nan'):7.3f}  "
-                      f"{m['runs_tok_s']}")
+                      f"{m['chat_longest_stall'] or float('nan'):10.3f} {m['chat_engine_stall'] or float('nan'):7.3f} "
+                      f"{m['targets']:>9}  {m['runs_tok_s']}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@
 2. `magnitude serve --record-trace` (the real model on uvicorn) under `bench/loadgen.py` replaying
    the trace: the client-measured report is the engine's figures;
 3. the cost model: the engine's own start-up calibration (`GET /debug/cost-model` after the load:
-   the table measured in the same process just before it, with `meta.servedFixedSeconds` and
-   `meta.servedOverPredicted`, the line this run's served steps fitted against the table, which a
+   the table measured in the same process just before it, with `meta.servedFixedSeconds`,
+   `meta.servedPerDecodeSeconds` and `meta.servedOverPredicted`, the line this run's served steps fitted against the table, which a
    replay applies), or --cost-model FILE
    (e.g. `magnitude profile` output);
 4. `magnitude simulate` of the recorded trace with the cost model (what an operator would replay),
@@ -87,9 +87,10 @@ def step_totals(metrics: str) -> tuple[int, float]:
     return int(values.get("magnitude_step_duration_seconds_count", 0)), values.get("magnitude_step_duration_seconds_sum", 0.0)
 
 
-def sim_step_totals(report: dict) -> tuple[int, float]:
+def sim_step_totals(report: dict) -> tuple[int, float, int]:
+    """Steps, their seconds and the decodes they carried."""
     steps = report.get("steps") or []
-    return len(steps), sum(s["duration"] for s in steps)
+    return len(steps), sum(s["duration"] for s in steps), sum(len(s["decode"]) for s in steps)
 
 
 def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict[str, str], cost: Path) -> dict:
@@ -195,7 +196,8 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     real = figures(engine_report)
     doc = json.loads(cost.read_text())
     unscaled_doc = {**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
-                                    if k not in ("servedOverPredicted", "servedFixedSeconds", "servedSteps")}}
+                                    if k not in ("servedOverPredicted", "servedFixedSeconds", "servedPerDecodeSeconds",
+                                                 "servedSteps")}}
     unscaled = work / "cost-unscaled.json"
     unscaled.write_text(json.dumps(unscaled_doc))
     table_only = work / "cost-table-only.json"
@@ -214,18 +216,20 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     if meta.get("servedFixedSeconds"):
         # The peer of the fitted line: the same served time spread as one ratio over the replay's
         # steps (fixed 0), what the engine kept before it fitted a fixed cost per step.
-        n, seconds = sim_step_totals(unscaled_replay)
-        ratio = min(4.0, max(0.5, meta["servedOverPredicted"] + meta["servedFixedSeconds"] * n / seconds))
+        n, seconds, decodes = sim_step_totals(unscaled_replay)
+        extra = meta["servedFixedSeconds"] * n + meta.get("servedPerDecodeSeconds", 0.0) * decodes
+        ratio = min(4.0, max(0.5, meta["servedOverPredicted"] + extra / seconds))
         one_ratio = work / "cost-one-ratio.json"
         one_ratio.write_text(json.dumps({**doc, "meta": {**meta, "servedOverPredicted": round(ratio, 4),
-                                                         "servedFixedSeconds": 0.0}}))
+                                                         "servedFixedSeconds": 0.0, "servedPerDecodeSeconds": 0.0}}))
         sims[f"recorded one ratio {ratio:.3f}"] = figures(json.loads(run_cli(
             "simulate", str(recorded), "--cost-model", str(one_ratio), "--json", *sets)))
     load = os.getloadavg()
     burst = all(r.arrival == 0.0 for r in load_trace(trace))
     print(f"{'replayed ' if replayed else ''}{'burst' if burst else 'mixed'} n={args.n} seed={args.seed} time-scale={args.time_scale} "
           f"serve={' '.join(args.serve_arg) or '-'} set={' '.join(args.sets) or '-'} cost={cost} "
-          f"served {meta.get('servedFixedSeconds')} s + {meta.get('servedOverPredicted')}x ({meta.get('servedSteps')} steps)"
+          f"served {meta.get('servedFixedSeconds')} s + {meta.get('servedPerDecodeSeconds')} s a decode + "
+          f"{meta.get('servedOverPredicted')}x ({meta.get('servedSteps')} steps)"
           f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}  ({work})")
     names = [f"{m}_{p}" for m, p in METRICS] + ["throughput"]
     print(f"{'':>34}" + "".join(f"{n:>14}" for n in names))
@@ -237,7 +241,7 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     print(f"finished: engine {real['finished']}, " + ", ".join(f"sim {k} {v['finished']}" for k, v in sims.items()))
     # Whether a gap is in the steps' cost or in what they carry: the engine's steps (forward pass plus
     # scheduling, from its own histogram) against the replay's predicted steps.
-    (sn, ss) = sim_step_totals(replay)
+    sn, ss, _ = sim_step_totals(replay)
     if engine_report.get("engine_steps"):  # kept since engine.json was written (a replay of an older run has none)
         en, es = engine_report["engine_steps"]
         print(f"steps: engine {en} in {es:.2f} s (mean {es / max(en, 1) * 1000:.1f} ms), "
