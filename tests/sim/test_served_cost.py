@@ -1,5 +1,5 @@
 """Served step times (`sim/cost.py ServedCost`): the engine learns what its steps really take
-against the table, an explicit ITL target is then kept on served times, derived limits follow the
+against the table, an ITL target (explicit or derived) is then kept on served times, derived limits follow the
 served times once enough steps are judged (the table's before), and a document from
 `GET /debug/cost-model` replays with the served factor."""
 

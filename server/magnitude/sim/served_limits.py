@@ -47,7 +47,7 @@ class LimitsFollower:
         # as one (/readyz, the gauges); the served model predicts the table's times until
         # SERVED_MIN_STEPS steps are judged, then what they take. (Bounded by the table until the limits
         # were first derived again from served steps, the long prompt's chunks beside the chats' decodes
-        # took 1.09-1.63x the 196.2 ms target on a table measured 2 h earlier on the same host:
+        # took 1.12-1.63x their predictions, about the 196.2 ms target, on a table measured 2 h earlier:
         # bench/results/derived_defaults.md.)
         self.bound: CostModel | None = self.served or table
         self.limits = derive_scheduler_limits(sp, table)
