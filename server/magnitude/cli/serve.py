@@ -61,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", choices=("real", "simulated"), default="real",
                    help="real: the model; simulated: the simulator's cost model stands in for the forward pass")
     p.add_argument("--cost-model", default=None, metavar="FILE.json",
-                   help="the step-cost table the scheduler derives null tokenBudget/prefillChunkSize from and bounds "
-                   "each step by (itlTargetMs). Real runner: a measured table (`magnitude profile`, or GET "
+                   help="the step-cost table the scheduler derives null tokenBudget/prefillChunkSize from and, scaled "
+                   "to what served steps take, bounds each step by against the ITL target. Real runner: a measured table (`magnitude profile`, or GET "
                    "/debug/cost-model of a running engine) instead of calibrating at start-up; default: calibrate "
                    "(phase calibrating, a few seconds), cached under $MAGNITUDE_CACHE/cost-models. Simulated runner: "
                    "unit | linear (default) | FILE.json")

@@ -197,7 +197,8 @@ class TableCost:
 # worth a spread of SERVED_PRIOR_SPREAD of the mean decode count, as the scale's: where the window's
 # steps carry about the same number of decodes their share cannot be told from the fixed cost and
 # stays with it (the two-term line exactly), where they differ it is the window's own. It stays
-# within [0, SERVED_MAX_PER_DECODE_S]; at 0 the two-term line above, and its rules, hold.
+# within [0, SERVED_MAX_PER_DECODE_S]; at 0 the two-term line above, and its rules, hold. A step's
+# count is capped at SERVED_MAX_PER_DECODE_S a decode more than the cap above.
 SERVED_WINDOW = 256
 SERVED_FACTOR_BOUNDS = (0.5, 4.0)
 SERVED_MAX_FIXED_S = 0.05
@@ -245,7 +246,7 @@ class ServedCost:
             return
         if len(self._window) == self._window.maxlen:
             self._add(*self._window[0], -1.0)
-        r = min(real_s, SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] * predicted_s)
+        r = min(real_s, SERVED_MAX_FIXED_S + SERVED_MAX_PER_DECODE_S * decodes + SERVED_FACTOR_BOUNDS[1] * predicted_s)
         self._window.append((predicted_s, r, float(decodes)))
         self._add(predicted_s, r, float(decodes), 1.0)
         self.steps += 1

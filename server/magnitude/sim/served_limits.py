@@ -27,7 +27,8 @@ from magnitude.sim.cost import (SERVED_DERIVE_STEPS, CostModel, SchedulerLimits,
 
 @dataclass(frozen=True)
 class LimitsChange:
-    """New limits and the model the scheduler bounds steps by from now on (Scheduler.set_limits)."""
+    """New limits and the model the scheduler bounds steps by (Scheduler.set_limits): the follower's
+    served line, the same object throughout, which learns on between changes."""
 
     old: SchedulerLimits
     new: SchedulerLimits
