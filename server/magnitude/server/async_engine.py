@@ -584,8 +584,9 @@ class AsyncEngine:
         magnitude_scheduler_* gauges and the log."""
         assert self.loop is not None and self.served_cost is not None
         old, new = change.old, change.new
-        self.loop.scheduler.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, change.bound)
-        self.scheduler_cost_model, self.scheduler_limits = change.bound, new
+        self.loop.scheduler.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms,
+                                       self.scheduler_cost_model)
+        self.scheduler_limits = new
         self.metrics.set_scheduler_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, new.source)
         log.info("scheduler: tokenBudget %d, prefillChunkSize %d, itlTargetMs %s (derived again from %d served "
                  "steps: %.1f ms + %.2f ms a decode + %.3fx the table; were %d, %d, %s)", new.token_budget,

@@ -27,12 +27,10 @@ from magnitude.sim.cost import (SERVED_DERIVE_STEPS, CostModel, SchedulerLimits,
 
 @dataclass(frozen=True)
 class LimitsChange:
-    """New limits and the model the scheduler bounds steps by (Scheduler.set_limits): the follower's
-    served line, the same object throughout, which learns on between changes."""
+    """New limits for the scheduler (Scheduler.set_limits, with the follower's `bound`)."""
 
     old: SchedulerLimits
     new: SchedulerLimits
-    bound: CostModel | None
 
 
 class LimitsFollower:
@@ -77,4 +75,4 @@ class LimitsFollower:
         if not limits_moved(old, new):
             return None
         self.limits = new
-        return LimitsChange(old, new, self.bound)
+        return LimitsChange(old, new)

@@ -146,7 +146,7 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
             change = follower.after_step(plan, start, plan_shape(plan, config.kv_cache.block_size)[0] > 0)
             if change is not None:
                 new = change.new
-                sched.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, change.bound)
+                sched.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, follower.bound)
                 result.limits_changes.append((now, new))
         elif kind == CANCEL:
             sched.abort(payload, now)
