@@ -10,7 +10,7 @@
 3. the cost model: the engine's own start-up calibration (`GET /debug/cost-model` after the load:
    the table measured in the same process just before it, with `meta.servedFixedSeconds`,
    `meta.servedPerDecodeSeconds` and `meta.servedOverPredicted`, the line this run's served steps fitted against the table, which a
-   replay applies), or --cost-model FILE
+   replay applies, and `meta.servedNoiseMargin`, the steps' scatter about it, which a replay's bound keeps), or --cost-model FILE
    (e.g. `magnitude profile` output);
 4. `magnitude simulate` of the recorded trace with the cost model (what an operator would replay),
    the same without the served fit (the calibrated table alone), the same without the attention
@@ -197,7 +197,7 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     doc = json.loads(cost.read_text())
     unscaled_doc = {**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
                                     if k not in ("servedOverPredicted", "servedFixedSeconds", "servedPerDecodeSeconds",
-                                                 "servedSteps")}}
+                                                 "servedNoiseMargin", "servedSteps")}}
     unscaled = work / "cost-unscaled.json"
     unscaled.write_text(json.dumps(unscaled_doc))
     table_only = work / "cost-table-only.json"
@@ -229,7 +229,7 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     print(f"{'replayed ' if replayed else ''}{'burst' if burst else 'mixed'} n={args.n} seed={args.seed} time-scale={args.time_scale} "
           f"serve={' '.join(args.serve_arg) or '-'} set={' '.join(args.sets) or '-'} cost={cost} "
           f"served {meta.get('servedFixedSeconds')} s + {meta.get('servedPerDecodeSeconds')} s a decode + "
-          f"{meta.get('servedOverPredicted')}x ({meta.get('servedSteps')} steps)"
+          f"{meta.get('servedOverPredicted')}x, margin {meta.get('servedNoiseMargin')} ({meta.get('servedSteps')} steps)"
           f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}  ({work})")
     names = [f"{m}_{p}" for m, p in METRICS] + ["throughput"]
     print(f"{'':>34}" + "".join(f"{n:>14}" for n in names))

@@ -158,7 +158,7 @@ def test_cost_model_file_derives_the_limits_and_is_served(tmp_path: Path) -> Non
         assert httpx.get(url + "/debug/cost-model").status_code == 401
         # The file, with what served steps took against it so far (none yet).
         served = {**doc, "meta": {"device": "cpu", "servedOverPredicted": 1.0, "servedFixedSeconds": 0.0,
-                                  "servedPerDecodeSeconds": 0.0, "servedSteps": 0}}
+                                  "servedPerDecodeSeconds": 0.0, "servedNoiseMargin": 0.0, "servedSteps": 0}}
         assert httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer adm"}).json() == served
     finally:
         proc.terminate()

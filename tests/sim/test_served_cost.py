@@ -1,7 +1,8 @@
 """Served step times (`sim/cost.py ServedCost`): the engine learns what its steps really take
-against the table, an ITL target (explicit or derived) is then kept on served times, derived limits follow the
-served times once enough steps are judged (the table's before), and a document from
-`GET /debug/cost-model` replays with the served factor."""
+against the table and how far they scatter about that line, an ITL target (explicit or derived) is then
+kept on served times with a margin for the scatter (ServedBound), derived limits follow the served times
+once enough steps are judged (the table's before), and a document from `GET /debug/cost-model` replays
+with the served line and margin."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import json
 import pytest
 
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MAX_FIXED_S,
-                                SERVED_MAX_PER_DECODE_S, SERVED_MIN_STEPS, SERVED_PRIOR_SPREAD,
-                                SERVED_WINDOW, CostModelError, SchedulerLimits, ServedCost, TableCost,
+from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MARGIN_EVERY, SERVED_MAX_FIXED_S,
+                                SERVED_MAX_MARGIN, SERVED_MAX_PER_DECODE_S, SERVED_MIN_STEPS, SERVED_PRIOR_SPREAD,
+                                SERVED_WINDOW, CostModelError, SchedulerLimits, ServedBound, ServedCost, TableCost,
                                 READING_PACE_ITL_MS, cost_model_from_document, derivation_model, derive_scheduler_limits,
                                 limits_moved)
 from magnitude.sim.served_limits import LimitsFollower
@@ -291,7 +292,7 @@ def test_an_explicit_target_bounds_served_steps() -> None:
     # learns this run's served steps.
     explicit = resolve_config(None, ["scheduler.itlTargetMs=150"]).scheduler
     follower = LimitsFollower(explicit, served)
-    assert follower.bound is follower.served and follower.bound.seconds_for(4, 64) == MEASURED.seconds_for(4, 64)
+    assert follower.bound.served is follower.served and follower.bound.seconds_for(4, 64) == MEASURED.seconds_for(4, 64)
 
     config = resolve_config(None, ["scheduler.tokenBudget=8192", "scheduler.itlTargetMs=150"])
     steps = decoding_steps(simulate(documents(), config, served))
@@ -314,7 +315,8 @@ def test_a_document_with_the_served_factor_replays_served_times(tmp_path) -> Non
                                                            servedFixedSeconds=0.004, servedSteps=400))
     assert isinstance(served_model, ServedCost) and served_model.steps == 400
     assert served_model.document_meta() == {"servedOverPredicted": 1.5, "servedFixedSeconds": 0.004,
-                                            "servedPerDecodeSeconds": 0.0, "servedSteps": 400}
+                                            "servedPerDecodeSeconds": 0.0, "servedNoiseMargin": 0.0,
+                                            "servedSteps": 400}
     served = simulate(burst, config, served_model)
     # The same plans; every step lasts 4 ms + 1.5x.
     assert [(s.decode, s.prefill) for s in served.steps] == [(s.decode, s.prefill) for s in plain.steps]
@@ -358,3 +360,93 @@ def test_a_served_per_decode_cost_out_of_bounds_is_refused_by_name(bad) -> None:
     with pytest.raises(CostModelError, match="meta.servedPerDecodeSeconds"):
         cost_model_from_document(json.loads(json.dumps(table_document(servedOverPredicted=1.2,
                                                                       servedPerDecodeSeconds=bad))))
+
+
+@pytest.mark.parametrize("bad", [-0.1, 0.6, "0.1", True])
+def test_a_served_noise_margin_out_of_bounds_is_refused_by_name(bad) -> None:
+    with pytest.raises(CostModelError, match="meta.servedNoiseMargin"):
+        cost_model_from_document(json.loads(json.dumps(table_document(servedOverPredicted=1.2,
+                                                                      servedNoiseMargin=bad))))
+
+
+def _scattered(served: ServedCost, slow_every: int, slow: float, steps: int = SERVED_WINDOW) -> None:
+    """Steps of 5-100 ms on the table's times, every `slow_every`th `slow` times as long."""
+    for i in range(steps):
+        p = 0.005 + 0.005 * (i % 20)
+        served.observe(p, p * (slow if i % slow_every == 0 else 1.0))
+
+
+def test_the_margin_is_the_seconds_weighted_quantile_of_the_scatter() -> None:
+    """One step in five 1.5x its line: a tenth of the window's seconds is past any quantile under
+    the slow steps' own, so the margin is what they ran over the line. One in twenty is under the
+    quantile; no scatter, no margin; a wild one is capped. Refitted every SERVED_MARGIN_EVERY steps."""
+    every_fifth, every_twentieth, even, wild = (ServedCost(PROPORTIONAL) for _ in range(4))
+    _scattered(every_fifth, 5, 1.5)
+    _scattered(every_twentieth, 20, 1.5)
+    _scattered(even, 1, 1.0)
+    _scattered(wild, 2, 3.0)
+    print(f"\nmargins: {every_fifth.margin:.3f} {every_twentieth.margin:.3f} {even.margin:.3f} {wild.margin:.3f}")
+    # The line through the scattered window lies above the plain steps, so the slow ones are less
+    # than 1.5x over it, and the plain ones under it.
+    line = every_fifth.seconds_for(0, 64)
+    assert 0.2 < every_fifth.margin < 0.5
+    assert every_fifth.margin == pytest.approx(PROPORTIONAL.seconds_for(0, 64) * 1.5 / line - 1.0, rel=0.2)
+    assert every_twentieth.margin < 0.05
+    assert even.margin == 0.0
+    assert wild.margin == SERVED_MAX_MARGIN
+    # It moves only every SERVED_MARGIN_EVERY judged steps.
+    before = even.margin
+    even.observe(0.05, 0.2)
+    assert even.margin == before and even.steps % SERVED_MARGIN_EVERY != 0
+
+
+def test_an_explicit_target_is_kept_at_the_margin() -> None:
+    """The scheduler's bound is the served line times (1 + margin): a step sized to the target on
+    the line alone would run past it one time in five here; on the bound it is smaller."""
+    sp = resolve_config(None, ["scheduler.itlTargetMs=150"]).scheduler
+    follower = LimitsFollower(sp, PROPORTIONAL)
+    assert isinstance(follower.bound, ServedBound)
+    _scattered(follower.served, 5, 1.5)
+    margin = follower.served.margin
+    assert follower.bound.margin == margin > 0.2
+    assert follower.bound.seconds_for(8, 64) == pytest.approx(follower.served.seconds_for(8, 64) * (1 + margin))
+    assert f"{margin:.0%} margin" in follower.bound.name
+    limits = derive_scheduler_limits(sp, follower.bound)
+    on_line = derive_scheduler_limits(sp, follower.served)
+    assert limits.itl_target_ms == on_line.itl_target_ms == 150.0
+    assert limits.token_budget < on_line.token_budget
+    assert follower.bound.seconds_for(0, limits.token_budget) <= 0.150
+
+
+def test_a_derived_target_carries_the_margin_on_the_same_steps() -> None:
+    """With no target the steps are the line's efficient ones (a margin scales every step alike,
+    and reading pace is judged on what steps take); the target promised is their time with the
+    margin, so the scheduler's bound still admits them."""
+    sp = resolve_config(None, []).scheduler
+    served = ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS, 0.008, margin=0.3)
+    bound = ServedBound(served)
+    assert derivation_model(bound) is bound
+    on_line, with_margin = derive_scheduler_limits(sp, served), derive_scheduler_limits(sp, bound)
+    assert on_line == SchedulerLimits(128, 128, 144.0, "derived")
+    assert (with_margin.token_budget, with_margin.prefill_chunk_size) == (128, 128)
+    assert with_margin.itl_target_ms == pytest.approx(144.0 * 1.3, abs=0.1)
+    assert bound.seconds_for(8, 128) * 1000.0 <= with_margin.itl_target_ms + 1e-9
+    # Before SERVED_DERIVE_STEPS judged steps the table, with no margin.
+    young = ServedBound(ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS - 1, 0.008, margin=0.3))
+    assert derivation_model(young) is PROPORTIONAL
+
+
+def test_a_replay_keeps_the_documents_margin() -> None:
+    """A replay's steps take the document's line exactly, so it learns no scatter of its own: its
+    bound keeps the document's margin once its line is fitted, and its steps are that much smaller
+    than the same replay's with none; the engine's document carries the margin it learned."""
+    config = resolve_config(None, ["scheduler.tokenBudget=8192", "scheduler.itlTargetMs=150"])
+    meta = {"servedOverPredicted": 1.0, "servedFixedSeconds": 0.004, "servedSteps": 600}
+    calm = cost_model_from_document(table_document(**meta))
+    noisy = cost_model_from_document(table_document(**meta, servedNoiseMargin=0.4))
+    assert noisy.margin == 0.4 and noisy.document_meta()["servedNoiseMargin"] == 0.4
+    calm_steps = decoding_steps(simulate(documents(), config, calm))[2 * SERVED_MIN_STEPS:]
+    noisy_steps = decoding_steps(simulate(documents(), config, noisy))[2 * SERVED_MIN_STEPS:]
+    longest_calm, longest_noisy = max(s.duration for s in calm_steps), max(s.duration for s in noisy_steps)
+    print(f"\nlongest decoding step: {longest_calm * 1000:.1f} ms, with the margin {longest_noisy * 1000:.1f} ms")
+    assert longest_calm <= 0.150 + 1e-9 and longest_noisy <= 0.150 / 1.4 + 1e-9 < longest_calm

@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="real: the model; simulated: the simulator's cost model stands in for the forward pass")
     p.add_argument("--cost-model", default=None, metavar="FILE.json",
                    help="the step-cost table the scheduler derives null tokenBudget/prefillChunkSize from and, scaled "
-                   "to what served steps take, bounds each step by against the ITL target. Real runner: a measured table (`magnitude profile`, or GET "
+                   "to what served steps take with a margin for their scatter, bounds each step by against the ITL target. Real runner: a measured table (`magnitude profile`, or GET "
                    "/debug/cost-model of a running engine) instead of calibrating at start-up; default: calibrate "
                    "(phase calibrating, a few seconds), cached under $MAGNITUDE_CACHE/cost-models. Simulated runner: "
                    "unit | linear (default) | FILE.json")

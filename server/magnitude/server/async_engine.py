@@ -589,10 +589,10 @@ class AsyncEngine:
         self.scheduler_limits = new
         self.metrics.set_scheduler_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, new.source)
         log.info("scheduler: tokenBudget %d, prefillChunkSize %d, itlTargetMs %s (derived again from %d served "
-                 "steps: %.1f ms + %.2f ms a decode + %.3fx the table; were %d, %d, %s)", new.token_budget,
-                 new.prefill_chunk_size, new.itl_target_ms, self.served_cost.steps, self.served_cost.fixed_s * 1000.0,
-                 self.served_cost.per_decode_s * 1000.0, self.served_cost.factor, old.token_budget,
-                 old.prefill_chunk_size, old.itl_target_ms)
+                 "steps: %.1f ms + %.2f ms a decode + %.3fx the table, bounded with a %.0f%% margin; were %d, %d, %s)",
+                 new.token_budget, new.prefill_chunk_size, new.itl_target_ms, self.served_cost.steps,
+                 self.served_cost.fixed_s * 1000.0, self.served_cost.per_decode_s * 1000.0, self.served_cost.factor,
+                 self.served_cost.margin * 100.0, old.token_budget, old.prefill_chunk_size, old.itl_target_ms)
 
     def _draft_failed(self) -> bool:
         """Whether the runner's draft model failed at run time (runner/draft_model.py: it drafts no

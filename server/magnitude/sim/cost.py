@@ -199,6 +199,20 @@ class TableCost:
 # stays with it (the two-term line exactly), where they differ it is the window's own. It stays
 # within [0, SERVED_MAX_PER_DECODE_S]; at 0 the two-term line above, and its rules, hold. A step's
 # count is capped at SERVED_MAX_PER_DECODE_S a decode more than the cap above.
+#
+# Served steps also scatter about the line, and not only step by step: on a shared host whole
+# phases of seconds run slow. On two EPYC cores the long-prompt trace's chunk steps ran 1.35-1.6x
+# their predictions for seconds at a time, with both compute threads busy, where the same shapes
+# alone ran 0.91-1.00x the table (bench/results/derived_defaults.md, 2026-12-04). A bound on the
+# line keeps a target only on average: about half of the steps sized to it run over, and a
+# stream's longest gap is one of them. So the scheduler bounds steps by the line times (1 + margin)
+# (ServedBound), the margin the SERVED_MARGIN_QUANTILE of the window's relative residuals
+# (real / line - 1), each step weighted by its line seconds, since the steps a target cuts are the
+# big ones (small decode steps scatter more and would overstate it). It stays within
+# [0, SERVED_MAX_MARGIN] and is refitted every SERVED_MARGIN_EVERY judged steps (it sorts the window).
+SERVED_MARGIN_QUANTILE = 0.9
+SERVED_MAX_MARGIN = 0.5
+SERVED_MARGIN_EVERY = 16
 SERVED_WINDOW = 256
 SERVED_FACTOR_BOUNDS = (0.5, 4.0)
 SERVED_MAX_FIXED_S = 0.05
@@ -219,16 +233,19 @@ class ServedCost:
     any work). The engine calls `observe(predicted, real, decodes)` for each step it serves; a
     document from `GET /debug/cost-model` carries all three (`meta.servedFixedSeconds`,
     `meta.servedPerDecodeSeconds`, `meta.servedOverPredicted`), so the simulator replays with served
-    step times (cost_model_from_document). The table itself (`model`) stays what the calibration
-    measured; null limits are derived from the served times once SERVED_DERIVE_STEPS steps are
-    judged (derivation_model), from the table before."""
+    step times (cost_model_from_document), and the steps' scatter about them (`margin`,
+    `meta.servedNoiseMargin`: see SERVED_MARGIN_QUANTILE), which the scheduler's bound adds
+    (ServedBound). The table itself (`model`) stays what the calibration measured; null limits are
+    derived from the served times once SERVED_DERIVE_STEPS steps are judged (derivation_model), from
+    the table before."""
 
     def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0,
-                 per_decode_s: float = 0.0) -> None:
+                 per_decode_s: float = 0.0, margin: float = 0.0) -> None:
         self.model = model
         self.factor = factor
         self.fixed_s = fixed_s
         self.per_decode_s = per_decode_s
+        self.margin = margin
         self.steps = steps  # served steps observed, including those the model was read with
         # (predicted, counted real, decodes)
         self._window: deque[tuple[float, float, float]] = deque(maxlen=SERVED_WINDOW)
@@ -252,6 +269,21 @@ class ServedCost:
         self.steps += 1
         if len(self._window) >= SERVED_MIN_STEPS:
             self.fixed_s, self.factor, self.per_decode_s = self._fit()
+            if len(self._window) == SERVED_MIN_STEPS or self.steps % SERVED_MARGIN_EVERY == 0:
+                self.margin = self._margin()
+
+    def _margin(self) -> float:
+        """The window's SERVED_MARGIN_QUANTILE relative residual about the line, weighted by the
+        line's seconds, within [0, SERVED_MAX_MARGIN] (see SERVED_MARGIN_QUANTILE)."""
+        residuals = sorted((r / line - 1.0, line) for p, r, d in self._window
+                           if (line := self._served(p, int(d))) > 0.0)
+        total = sum(w for _, w in residuals)
+        seen = 0.0
+        for relative, weight in residuals:
+            seen += weight
+            if seen >= SERVED_MARGIN_QUANTILE * total:
+                return min(SERVED_MAX_MARGIN, max(0.0, relative))
+        return 0.0
 
     def _add(self, p: float, r: float, d: float, sign: float) -> None:
         self._sp += sign * p
@@ -320,22 +352,54 @@ class ServedCost:
     def document_meta(self) -> dict:
         """What GET /debug/cost-model adds to the table's `meta`."""
         return {"servedOverPredicted": round(self.factor, 4), "servedFixedSeconds": round(self.fixed_s, 5),
-                "servedPerDecodeSeconds": round(self.per_decode_s, 6), "servedSteps": self.steps}
+                "servedPerDecodeSeconds": round(self.per_decode_s, 6), "servedNoiseMargin": round(self.margin, 4),
+                "servedSteps": self.steps}
+
+
+class ServedBound:
+    """What the scheduler bounds steps by: a ServedCost's line times (1 + its margin), so a step
+    sized to the ITL target keeps it at the margin's quantile, not on average (see
+    SERVED_MARGIN_QUANTILE). `margin_floor`: a margin the bound keeps at least once the line is
+    fitted (a replay's, whose own steps do not scatter: the document's). Its `model` is the table,
+    its `served` the line it was learned on."""
+
+    def __init__(self, served: ServedCost, margin_floor: float = 0.0) -> None:
+        self.served = served
+        self.model = served.model
+        self.margin_floor = margin_floor
+
+    @property
+    def margin(self) -> float:
+        fitted = self.served.steps >= SERVED_MIN_STEPS
+        return max(self.served.margin, self.margin_floor) if fitted else self.served.margin
+
+    @property
+    def name(self) -> str:
+        return f"{self.served.name} + {self.margin:.0%} margin"
+
+    def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
+                    attention: AttentionLoad | None = None) -> float:
+        return self.served.seconds_for(decodes, prefill_tokens, swapped_tokens, attention) * (1.0 + self.margin)
+
+    def step_seconds(self, plan: StepPlan) -> float:
+        return self.served.step_seconds(plan) * (1.0 + self.margin)
 
 
 def measured_model(cost: CostModel | None) -> CostModel | None:
-    """The model as measured (a ServedCost's table; any other model itself)."""
-    return cost.model if isinstance(cost, ServedCost) else cost
+    """The model as measured (a ServedCost's or a ServedBound's table; any other model itself)."""
+    return cost.model if isinstance(cost, (ServedCost, ServedBound)) else cost
 
 
 def derivation_model(cost: CostModel | None) -> CostModel | None:
     """The model null limits are derived from: served step times once SERVED_DERIVE_STEPS served
-    steps have been judged (a ServedCost that learned them, or a document that carries them), else
-    the table as measured. A served step pays a fixed cost the calibration's steps did not (on two
+    steps have been judged (a ServedCost that learned them, or a document that carries them; a
+    ServedBound on such a line, whose margin the derived target then carries), else the table as
+    measured. A served step pays a fixed cost the calibration's steps did not (on two
     EPYC cores 8.6 ms a step beside the HTTP side and its clients), so limits from the table alone
     take steps too small to be efficient as served: w4a16's table derived 30 tokens and a 31.3 ms
     target, twice budget 64's steps and 0.89 of its throughput (bench/results/derived_defaults.md)."""
-    if isinstance(cost, ServedCost) and cost.steps >= SERVED_DERIVE_STEPS:
+    served = cost.served if isinstance(cost, ServedBound) else cost
+    if isinstance(served, ServedCost) and served.steps >= SERVED_DERIVE_STEPS:
         return cost
     return measured_model(cost)
 
@@ -462,15 +526,19 @@ def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, fl
     The chunk: the efficient prefill-only step (_prefill_step with no decodes; candidates within a
     table's measured range), raised where steps beside d = min(maxSequences, TYPICAL_DECODES)
     decodes are efficient only at a bigger size, to that size, but not past the largest candidate
-    whose step beside the d decodes is predicted within READING_PACE_ITL_MS. The target: the
-    predicted time of the chunk beside the d decodes, rounded up to 0.1 ms so the step it was
-    chosen for fits the bound."""
+    whose step beside the d decodes is predicted within READING_PACE_ITL_MS (on a ServedBound, by its
+    line: what the step takes). The target: the predicted time of the chunk beside the d decodes
+    (on a ServedBound, its margin included), rounded up to 0.1 ms so the step it was chosen for fits
+    the bound."""
     table = measured_model(cost)
     top = max(table.prefill_tokens) if isinstance(table, TableCost) else MAX_DERIVED_BUDGET
     candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
     d = min(max_sequences, TYPICAL_DECODES)
     chunk = _prefill_step(cost, candidates, 0)
-    paced = [c for c in candidates if cost.seconds_for(d, c) * 1000.0 <= READING_PACE_ITL_MS]
+    # The pace is judged on what steps take (a bound's line), the target promised on the bound: a
+    # margin for the steps' scatter scales every step alike, so the chunk it is judged on is the same.
+    pace = cost.served if isinstance(cost, ServedBound) else cost
+    paced = [c for c in candidates if pace.seconds_for(d, c) * 1000.0 <= READING_PACE_ITL_MS]
     beside_decodes = min(_prefill_step(cost, candidates, d), max(paced, default=chunk))
     raised = beside_decodes > chunk
     chunk = max(chunk, beside_decodes)
@@ -558,7 +626,8 @@ def builtin_document(cost: CostModel) -> dict:
 
 
 def _served_seconds(meta: dict, key: str, most: float, spec: str) -> float:
-    """A served line's seconds from a document's meta (0 when absent: documents from before the term)."""
+    """A served line's figure (seconds, or the margin's share) from a document's meta (0 when absent:
+    documents from before the term)."""
     value = meta.get(key, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= most:
         raise CostModelError(f"{spec}: meta.{key}: expected a number in [0, {most}], got {value!r}")
@@ -582,8 +651,9 @@ def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: in
             raise CostModelError(f"{spec}: meta.servedSteps: expected a count, got {steps!r}")
         fixed = _served_seconds(meta, "servedFixedSeconds", SERVED_MAX_FIXED_S, spec)
         per_decode = _served_seconds(meta, "servedPerDecodeSeconds", SERVED_MAX_PER_DECODE_S, spec)
+        margin = _served_seconds(meta, "servedNoiseMargin", SERVED_MAX_MARGIN, spec)
         return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served), steps,
-                          fixed, per_decode)
+                          fixed, per_decode, margin)
     cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
     if cls is None:
         raise CostModelError(f"{spec}: kind: unknown cost model kind {kind!r} (linear, table)")

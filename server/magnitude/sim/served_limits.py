@@ -7,12 +7,15 @@ judges every decoding step by what a running stream waited between two tokens (f
 step's start to the next's: the step, the loop's bookkeeping and the output processing after it),
 and every SERVED_DERIVE_STEPS judged steps derives null limits again from the served line; it
 reports a change when a limit moves by more than LIMITS_TOLERANCE. The scheduler bounds steps by
-the served line throughout (`bound`). Explicit limits never move. Pure: the caller passes the step
+the served line and a margin for its scatter throughout (`bound`, sim/cost.py ServedBound); a derived
+target carries the margin. Explicit limits never move. Pure: the caller passes the step
 and its start time, and applies a change to its scheduler.
 
 It always starts from the table as measured, and learns this process's served steps: a document
 that carries another run's served line (`GET /debug/cost-model`) says what that run's steps took,
-which is how a replay prices its steps (sim/simulate.py), not what this run's will take.
+which is how a replay prices its steps (sim/simulate.py), not what this run's will take. A
+replay's own steps take that line exactly and do not scatter, so it passes the document's margin
+(`margin_floor`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 from magnitude.engine.output import StepPlan
 from magnitude.policy.schema import SchedulerPolicy
-from magnitude.sim.cost import (SERVED_DERIVE_STEPS, CostModel, SchedulerLimits, ServedCost, UnitCost,
+from magnitude.sim.cost import (SERVED_DERIVE_STEPS, CostModel, SchedulerLimits, ServedBound, ServedCost, UnitCost,
                                 derive_scheduler_limits, limits_moved, measured_model, plan_shape)
 
 
@@ -37,7 +40,7 @@ class LimitsFollower:
     """The scheduler's limits, derived from `cost`'s table and, for a cost model in seconds, from
     served step times as they are learned (see the module docstring)."""
 
-    def __init__(self, sp: SchedulerPolicy, cost: CostModel | None) -> None:
+    def __init__(self, sp: SchedulerPolicy, cost: CostModel | None, margin_floor: float = 0.0) -> None:
         self.sp = sp
         table = measured_model(cost)
         self.served = ServedCost(table) if table is not None and not isinstance(table, UnitCost) else None
@@ -47,8 +50,8 @@ class LimitsFollower:
         # SERVED_MIN_STEPS steps are judged, then what they take. (Bounded by the table until the limits
         # were first derived again from served steps, the long prompt's chunks beside the chats' decodes
         # took 1.12-1.63x their predictions, about the 196.2 ms target, on a table measured 2 h earlier:
-        # bench/results/derived_defaults.md.)
-        self.bound: CostModel | None = self.served or table
+        # bench/results/derived_defaults.md.) The margin is 0 until SERVED_MIN_STEPS steps are judged.
+        self.bound: CostModel | None = ServedBound(self.served, margin_floor) if self.served is not None else table
         self.limits = derive_scheduler_limits(sp, table)
         self._derived_at = 0
         self._previous: tuple[float, float, int] | None = None  # the last decoding step: (predicted s, start, decodes)
@@ -71,7 +74,7 @@ class LimitsFollower:
         old = self.limits
         if old.source != "derived":
             return None
-        new = derive_scheduler_limits(self.sp, served)
+        new = derive_scheduler_limits(self.sp, self.bound)
         if not limits_moved(old, new):
             return None
         self.limits = new

@@ -24,7 +24,7 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
-from magnitude.sim.cost import CostModel, SchedulerLimits, apply_limits, plan_shape
+from magnitude.sim.cost import CostModel, SchedulerLimits, ServedCost, apply_limits, plan_shape
 from magnitude.sim.served_limits import LimitsFollower
 from magnitude.sim.speculation import SpecModel, spec_simulation
 from magnitude.sim.trace import TraceError, TraceRecord, prefix_token_ids
@@ -112,8 +112,10 @@ def check_trace(records: list[TraceRecord], config: EngineConfig, source: str = 
 def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostModel, keep_events: bool = True,
              speculation: SpecModel | None = None) -> SimResult:
     """`speculation`: the acceptance and draft cost to simulate a config's draftModel with (sim/speculation.py)."""
-    # The engine starts from its table and learns what its steps take; here they take `cost_model`'s times.
-    follower = LimitsFollower(config.scheduler, cost_model)
+    # The engine starts from its table and learns what its steps take; here they take `cost_model`'s times,
+    # which do not scatter: the bound keeps the engine's margin for its steps' scatter (a document's).
+    follower = LimitsFollower(config.scheduler, cost_model,
+                              cost_model.margin if isinstance(cost_model, ServedCost) else 0.0)
     config = _with_sim_blocks(apply_limits(config, follower.limits))
     check_trace(records, config)
     sched = Scheduler(config, cost_model=follower.bound)
