@@ -11,9 +11,9 @@ import json
 import pytest
 
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MARGIN_EVERY, SERVED_MAX_FIXED_S,
-                                SERVED_MAX_MARGIN, SERVED_MAX_PER_DECODE_S, SERVED_MIN_STEPS, SERVED_PRIOR_SPREAD,
-                                SERVED_WINDOW, CostModelError, SchedulerLimits, ServedBound, ServedCost, TableCost,
+from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_EARLY_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MARGIN_EVERY,
+                                SERVED_MAX_FIXED_S, SERVED_MAX_MARGIN, SERVED_MAX_PER_DECODE_S, SERVED_MIN_STEPS,
+                                SERVED_PRIOR_SPREAD, SERVED_WINDOW, CostModelError, SchedulerLimits, ServedBound, ServedCost, TableCost,
                                 READING_PACE_ITL_MS, cost_model_from_document, derivation_model, derive_scheduler_limits,
                                 limits_moved)
 from magnitude.sim.served_limits import LimitsFollower
@@ -35,11 +35,16 @@ def test_served_steps_are_a_fixed_cost_plus_a_scale_of_the_table() -> None:
     step (its loop, and the HTTP side on the same cores), which weighs most on the small ones. The
     slope is shrunk toward the table's 1x by a prior worth a spread of SERVED_PRIOR_SPREAD of the mean
     prediction; a window spread as a mixed trace's steps (5-100 ms) keeps most of its own slope."""
-    served = ServedCost(MEASURED, 1.3)  # a document's model holds until SERVED_MIN_STEPS are seen
+    served = ServedCost(MEASURED, 1.3)  # a document's model holds until SERVED_EARLY_STEPS are seen
     sizes = [0.005 + 0.005 * (i % 20) for i in range(SERVED_WINDOW)]  # 5-100 ms, as a mixed trace's steps
-    for p in sizes[:SERVED_MIN_STEPS - 1]:
+    for p in sizes[:SERVED_EARLY_STEPS - 1]:
         served.observe(p, 0.008 + 1.05 * p)
     assert (served.factor, served.fixed_s) == (1.3, 0.0)
+    # Then, until SERVED_MIN_STEPS, the ratio of the summed seconds, with no fixed cost.
+    for p in sizes[SERVED_EARLY_STEPS - 1:SERVED_MIN_STEPS - 1]:
+        served.observe(p, 0.008 + 1.05 * p)
+    seen = sizes[:SERVED_MIN_STEPS - 1]
+    assert served.factor == pytest.approx(sum(0.008 + 1.05 * p for p in seen) / sum(seen)) and served.fixed_s == 0.0
     for p in sizes[SERVED_MIN_STEPS - 1:]:
         served.observe(p, 0.008 + 1.05 * p)
     n = len(sizes)
@@ -297,9 +302,10 @@ def test_an_explicit_target_bounds_served_steps() -> None:
     config = resolve_config(None, ["scheduler.tokenBudget=8192", "scheduler.itlTargetMs=150"])
     steps = decoding_steps(simulate(documents(), config, served))
     # The replay's steps last the served times (the table's x 2). Like the engine it bounds them on
-    # the table until SERVED_MIN_STEPS are judged, and on what it learned after: within the target.
-    assert max(s.duration for s in steps[:SERVED_MIN_STEPS]) > 0.150
-    late = steps[2 * SERVED_MIN_STEPS:]
+    # the table until SERVED_EARLY_STEPS are judged, and on what it learned after: within the target.
+    print("\nfirst decoding steps (ms):", [round(s.duration * 1000) for s in steps[:SERVED_MIN_STEPS]])
+    assert max(s.duration for s in steps[:SERVED_EARLY_STEPS]) > 0.150
+    late = steps[2 * SERVED_EARLY_STEPS:]
     assert len(late) > 30 and max(s.duration for s in late) <= 0.150 + 1e-9
     # On the table alone the same target admits steps over half of it, which served would miss.
     table_steps = decoding_steps(simulate(documents(), config, MEASURED))

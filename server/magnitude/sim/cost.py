@@ -220,7 +220,13 @@ SERVED_MAX_PER_DECODE_S = 0.005
 SERVED_PRIOR_SPREAD = 0.25
 SERVED_MIN_PREDICTED_S = 1e-3
 # Steps observed before the window's fit replaces the starting model (1x and 0 s, or a document's):
-# the first steps of a process (first shapes, cold caches) say little about the ones after.
+# the first steps of a process (first shapes, cold caches) say little about the ones after, and a
+# line through a few steps of one shape says nothing of its slope. From SERVED_EARLY_STEPS until
+# then the model is the ratio of their summed seconds (no fixed cost): the steps sized to a target
+# in those first seconds are the ones it cuts, and on the table alone they ran over it. With
+# itlTargetMs 150 on two EPYC cores (w4a16-bf16prefill), a 24-request burst's first 17 steps took
+# 186-214 ms against 149-150 ms predicted (served steps 1.27x the table); from the line on, 130-150 ms.
+SERVED_EARLY_STEPS = 4
 SERVED_MIN_STEPS = 16
 # Served steps judged before null limits are derived from served step times (derivation_model),
 # and how many more before they are derived again (sim/served_limits.py LimitsFollower).
@@ -271,6 +277,9 @@ class ServedCost:
             self.fixed_s, self.factor, self.per_decode_s = self._fit()
             if len(self._window) == SERVED_MIN_STEPS or self.steps % SERVED_MARGIN_EVERY == 0:
                 self.margin = self._margin()
+        elif len(self._window) >= SERVED_EARLY_STEPS:
+            lo, hi = SERVED_FACTOR_BOUNDS
+            self.fixed_s, self.per_decode_s, self.factor = 0.0, 0.0, min(hi, max(lo, self._sr / self._sp))
 
     def _margin(self) -> float:
         """The window's SERVED_MARGIN_QUANTILE relative residual about the line, weighted by the

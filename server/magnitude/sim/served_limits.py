@@ -47,7 +47,7 @@ class LimitsFollower:
         # What the scheduler bounds steps by: served step times, for a derived target as for an explicit
         # one. A target is a promise about the steps streams wait on, and a derived one is shown and kept
         # as one (/readyz, the gauges); the served model predicts the table's times until
-        # SERVED_MIN_STEPS steps are judged, then what they take. (Bounded by the table until the limits
+        # SERVED_EARLY_STEPS steps are judged, then what they take. (Bounded by the table until the limits
         # were first derived again from served steps, the long prompt's chunks beside the chats' decodes
         # took 1.12-1.63x their predictions, about the 196.2 ms target, on a table measured 2 h earlier:
         # bench/results/derived_defaults.md.) The margin is 0 until SERVED_MIN_STEPS steps are judged.
