@@ -20,7 +20,9 @@
    (target 0.85-1.15), with the load average: the machine is shared, so read the ratios, not the
    seconds; then the steps the engine ran (its magnitude_step_duration_seconds histogram: count and
    seconds) against the replay's, which tells a cost model that is off per step from a schedule
-   that differs; and the limits the engine ended with (/readyz) against the replay's.
+   that differs; and the limits the engine ended with (/readyz) against the replay's. With --keep
+   the engine's scheduler decisions (`GET /debug/decisions`) are kept too, as decisions.json, to set
+   a request's admission beside the replay's events (`magnitude simulate --json`).
 """
 
 from __future__ import annotations
@@ -117,6 +119,16 @@ def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict
             r = httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer fidelity"}, timeout=30)
             r.raise_for_status()
             cost.write_text(r.text)
+        # The engine's scheduler decisions, to set a request's admission beside the replay's events.
+        decisions, since = [], 0
+        while True:
+            page = httpx.get(url + "/debug/decisions", params={"since": since, "limit": 10_000},
+                             headers={"Authorization": "Bearer fidelity"}, timeout=30).json()
+            decisions += page["decisions"]
+            if not page["decisions"] or page["next"] == since:
+                break
+            since = page["next"]
+        trace.with_name("decisions.json").write_text(json.dumps(decisions))
         report = json.loads(real.read_text())
         report["engine_steps"] = step_totals(httpx.get(url + "/metrics", timeout=30).text)
         report["engine_limits"] = httpx.get(url + "/readyz", timeout=30).json().get("scheduler")
