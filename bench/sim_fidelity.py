@@ -10,10 +10,11 @@
 3. the cost model: the engine's own start-up calibration (`GET /debug/cost-model` after the load:
    the table measured in the same process just before it, with `meta.servedFixedSeconds`,
    `meta.servedPerDecodeSeconds` and `meta.servedOverPredicted`, the line this run's served steps fitted against the table, which a
-   replay applies, and `meta.servedNoiseMargin`, the steps' scatter about it, which a replay's bound keeps), or --cost-model FILE
-   (e.g. `magnitude profile` output);
+   replay applies, and `meta.servedNoiseMargin`, the steps' scatter about it, which a replay's bound keeps, as it
+   moved over the run: `meta.servedMarginHistory`, on the engine's clock, moved here with the recording onto the
+   load generator's), or --cost-model FILE (e.g. `magnitude profile` output);
 4. `magnitude simulate` of the recorded trace with the cost model (what an operator would replay),
-   the same without the served fit (the calibrated table alone), the same without the attention
+   the same with the margin the engine ended with throughout (no history: "end margin"), the same without the served fit (the calibrated table alone), the same without the attention
    terms either (as before they existed), and the generated trace (arrivals only: no
    preparation, no prefix groups);
 5. prints TTFT p50/p99, ITL p50, E2E p50 and throughput for each, and the ratio simulator / engine
@@ -193,7 +194,23 @@ def main() -> int:
                                 "cancel_at": None if r.cancel_at is None else r.cancel_at - shift,
                                 "deadline": None if r.deadline is None else r.deadline - shift}) for r in rec]
     write_trace(rec, recorded)
+    if cost.exists() and not args.cost_model:
+        doc = json.loads(cost.read_text())
+        cost.write_text(json.dumps(shifted_margin_history(doc, shift)))
     return compare(work, args)
+
+
+def shifted_margin_history(doc: dict, shift: float) -> dict:
+    """The document with its margin history (engine clock) moved `shift` seconds earlier, as the
+    recording was: the entries before the new 0 collapse into the one in force there, at 0."""
+    meta = doc.get("meta") or {}
+    history = meta.get("servedMarginHistory")
+    if not history:
+        return doc
+    moved = [[round(t - shift, 3), m] for t, m in history]
+    before = [e for e in moved if e[0] <= 0.0]
+    kept = ([[0.0, before[-1][1]]] if before else []) + [e for e in moved if e[0] > 0.0]
+    return {**doc, "meta": {**meta, "servedMarginHistory": kept}}
 
 
 def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int:
@@ -209,16 +226,21 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     doc = json.loads(cost.read_text())
     unscaled_doc = {**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
                                     if k not in ("servedOverPredicted", "servedFixedSeconds", "servedPerDecodeSeconds",
-                                                 "servedNoiseMargin", "servedSteps")}}
+                                                 "servedNoiseMargin", "servedMarginHistory", "servedSteps")}}
     unscaled = work / "cost-unscaled.json"
     unscaled.write_text(json.dumps(unscaled_doc))
     table_only = work / "cost-table-only.json"
     table_only.write_text(json.dumps({k: v for k, v in unscaled_doc.items()
                                       if k not in ("per_decode_context_token", "per_attention_pair")}))
     replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(cost), "--json", *sets))
+    end_margin = work / "cost-end-margin.json"  # the peer: the margin the engine ended with, throughout
+    end_margin.write_text(json.dumps({**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
+                                                      if k != "servedMarginHistory"}}))
     unscaled_replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(unscaled), "--json", *sets))
     sims = {
         "recorded": figures(replay),
+        "recorded end margin": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(end_margin),
+                                                          "--json", *sets))),
         "recorded unscaled": figures(unscaled_replay),
         "recorded table-only": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(table_only),
                                                           "--json", *sets))),
@@ -241,7 +263,7 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     print(f"{'replayed ' if replayed else ''}{'burst' if burst else 'mixed'} n={args.n} seed={args.seed} time-scale={args.time_scale} "
           f"serve={' '.join(args.serve_arg) or '-'} set={' '.join(args.sets) or '-'} cost={cost} "
           f"served {meta.get('servedFixedSeconds')} s + {meta.get('servedPerDecodeSeconds')} s a decode + "
-          f"{meta.get('servedOverPredicted')}x, margin {meta.get('servedNoiseMargin')} ({meta.get('servedSteps')} steps)"
+          f"{meta.get('servedOverPredicted')}x, margin {meta.get('servedNoiseMargin')} ({len(meta.get('servedMarginHistory') or [])} moves), {meta.get('servedSteps')} steps"
           f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}  ({work})")
     names = [f"{m}_{p}" for m, p in METRICS] + ["throughput"]
     print(f"{'':>34}" + "".join(f"{n:>14}" for n in names))

@@ -158,7 +158,8 @@ def test_cost_model_file_derives_the_limits_and_is_served(tmp_path: Path) -> Non
         assert httpx.get(url + "/debug/cost-model").status_code == 401
         # The file, with what served steps took against it so far (none yet).
         served = {**doc, "meta": {"device": "cpu", "servedOverPredicted": 1.0, "servedFixedSeconds": 0.0,
-                                  "servedPerDecodeSeconds": 0.0, "servedNoiseMargin": 0.0, "servedSteps": 0}}
+                                  "servedPerDecodeSeconds": 0.0, "servedNoiseMargin": 0.0,
+                                  "servedMarginHistory": [], "servedSteps": 0}}
         assert httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer adm"}).json() == served
     finally:
         proc.terminate()
@@ -168,7 +169,8 @@ def test_cost_model_file_derives_the_limits_and_is_served(tmp_path: Path) -> Non
 def test_the_engine_learns_what_its_steps_take_and_reports_it_for_replays(tmp_path: Path) -> None:
     """The simulated runner sleeps twice the table's time (`--time-scale 2`, a stand-in for a host
     whose served steps run over the calibration): after a few requests GET /debug/cost-model says
-    the served steps took about 2x the table, and the document loads as the served model."""
+    the served steps took about 2x the table, and the document loads as the served model; the
+    margin's history is dated on the clock the recorded trace counts from."""
     from magnitude.sim.cost import ServedCost, cost_model_from_document
 
     cost = tmp_path / "cost.json"
@@ -176,8 +178,10 @@ def test_the_engine_learns_what_its_steps_take_and_reports_it_for_replays(tmp_pa
                                 "seconds": [[0.01, 0.11], [0.05, 0.15]]}))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    recorded = tmp_path / "recorded.jsonl"
     proc = subprocess.Popen(serve_cmd("--runner", "simulated", "--cost-model", str(cost), "--port", str(port),
-                                      "--time-scale", "2", "--set", "scheduler.itlTargetMs=100"),
+                                      "--time-scale", "2", "--set", "scheduler.itlTargetMs=100",
+                                      "--record-trace", str(recorded)),
                             env={**env(), "MAGNITUDE_ADMIN_TOKEN": "adm"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
@@ -201,6 +205,13 @@ def test_the_engine_learns_what_its_steps_take_and_reports_it_for_replays(tmp_pa
     # a fixed cost from a scale: the fit keeps the table's scale and the excess is the fixed cost.
     assert 1.9 <= model.seconds_for(1, 0) / model.model.seconds_for(1, 0) <= 3.0
     assert meta["servedOverPredicted"] == 1.0
+    # The first refit (the 16th judged step, in the second request) opens the history, in seconds
+    # from the engine's start, as the recording's arrivals are.
+    arrivals = sorted(json.loads(line)["arrival"] for line in recorded.read_text().splitlines())
+    print(f"arrivals {arrivals}, margin history {meta['servedMarginHistory']}")
+    assert len(arrivals) == 3 and meta["servedMarginHistory"]
+    assert arrivals[1] <= meta["servedMarginHistory"][0][0] <= arrivals[2]
+    assert list(model.margin_history) == [tuple(e) for e in meta["servedMarginHistory"]]
 
 
 def test_derived_limits_follow_what_served_steps_take(tmp_path: Path) -> None:

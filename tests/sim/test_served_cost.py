@@ -12,10 +12,11 @@ import pytest
 
 from magnitude.policy.load import resolve_config
 from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_EARLY_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MARGIN_EVERY,
+                                SERVED_MARGIN_HISTORY, SERVED_MARGIN_HISTORY_STEP,
                                 SERVED_MAX_FIXED_S, SERVED_MAX_MARGIN, SERVED_MAX_PER_DECODE_S, SERVED_MIN_STEPS,
                                 SERVED_PRIOR_SPREAD, SERVED_WINDOW, CostModelError, SchedulerLimits, ServedBound, ServedCost, TableCost,
                                 READING_PACE_ITL_MS, cost_model_from_document, derivation_model, derive_scheduler_limits,
-                                limits_moved)
+                                limits_moved, margin_at)
 from magnitude.sim.served_limits import LimitsFollower
 from magnitude.sim.report import build_report
 from magnitude.sim.simulate import simulate
@@ -322,7 +323,7 @@ def test_a_document_with_the_served_factor_replays_served_times(tmp_path) -> Non
     assert isinstance(served_model, ServedCost) and served_model.steps == 400
     assert served_model.document_meta() == {"servedOverPredicted": 1.5, "servedFixedSeconds": 0.004,
                                             "servedPerDecodeSeconds": 0.0, "servedNoiseMargin": 0.0,
-                                            "servedSteps": 400}
+                                            "servedMarginHistory": [], "servedSteps": 400}
     served = simulate(burst, config, served_model)
     # The same plans; every step lasts 4 ms + 1.5x.
     assert [(s.decode, s.prefill) for s in served.steps] == [(s.decode, s.prefill) for s in plain.steps]
@@ -456,3 +457,74 @@ def test_a_replay_keeps_the_documents_margin() -> None:
     longest_calm, longest_noisy = max(s.duration for s in calm_steps), max(s.duration for s in noisy_steps)
     print(f"\nlongest decoding step: {longest_calm * 1000:.1f} ms, with the margin {longest_noisy * 1000:.1f} ms")
     assert longest_calm <= 0.150 + 1e-9 and longest_noisy <= 0.150 / 1.4 + 1e-9 < longest_calm
+
+
+def test_the_margin_history_dates_each_move() -> None:
+    """Each refit that moves the margin by SERVED_MARGIN_HISTORY_STEP or more is kept with the time
+    the step was judged at; a margin that moves less adds nothing; the document counts seconds from the engine's start (`origin`)."""
+    noisy, even = ServedCost(PROPORTIONAL), ServedCost(PROPORTIONAL)
+    for i in range(3 * SERVED_WINDOW):
+        p = 0.005 + 0.005 * (i % 20)
+        slow = 1.5 if i >= SERVED_WINDOW and i % 5 == 0 else 1.0  # calm, then one step in five slow
+        noisy.observe(p, p * slow, at=100.0 + 0.1 * i)
+        even.observe(p, p, at=100.0 + 0.1 * i)
+    history = list(noisy.margin_history)
+    print(f"\nmargin history: {[(round(t, 1), round(m, 3)) for t, m in history]}")
+    assert history[0] == (100.0 + 0.1 * (SERVED_MIN_STEPS - 1), 0.0)
+    assert history[-1][1] == pytest.approx(noisy.margin, abs=SERVED_MARGIN_HISTORY_STEP) and noisy.margin > 0.2
+    assert [t for t, _ in history] == sorted(t for t, _ in history)
+    assert all(abs(a[1] - b[1]) >= SERVED_MARGIN_HISTORY_STEP for a, b in zip(history, history[1:]))
+    assert len(history) < (2 * SERVED_WINDOW) // SERVED_MARGIN_EVERY  # not every refit
+    assert 100.0 + 0.1 * SERVED_WINDOW <= history[1][0]  # the margin moved only once the slow steps came
+    assert list(even.margin_history) == [(100.0 + 0.1 * (SERVED_MIN_STEPS - 1), 0.0)]
+    meta = noisy.document_meta(origin=100.0)
+    assert meta["servedMarginHistory"] == [[round(t - 100.0, 3), round(m, 4)] for t, m in history]
+    # Steps judged without a time (a learner outside the engine) date nothing.
+    undated = ServedCost(PROPORTIONAL)
+    _scattered(undated, 5, 1.5)
+    assert undated.margin > 0.2 and not undated.margin_history
+    # At most SERVED_MARGIN_HISTORY moves are kept, the last ones.
+    kept = ServedCost(PROPORTIONAL, margin_history=tuple((float(i), 0.0) for i in range(SERVED_MARGIN_HISTORY)))
+    kept.margin_history.append((1e6, 0.1))
+    assert len(kept.margin_history) == SERVED_MARGIN_HISTORY and kept.margin_history[0][0] == 1.0
+
+
+def test_the_margin_in_force_is_the_latest_dated_before() -> None:
+    history = ((10.0, 0.0), (20.0, 0.2), (30.0, 0.4))
+    assert [margin_at(history, t) for t in (0.0, 10.0, 19.9, 20.0, 29.0, 31.0, 1e9)] == [0.0, 0.0, 0.0, 0.2, 0.2, 0.4, 0.4]
+    assert margin_at(((5.0, 0.3),), 1.0) == 0.3  # a history cut to its last entries starts at its first
+
+
+def test_a_document_carries_the_margin_history() -> None:
+    doc = table_document(servedOverPredicted=1.2, servedNoiseMargin=0.3, servedSteps=900,
+                         servedMarginHistory=[[1.5, 0.0], [7.25, 0.1], [7.25, 0.3]])
+    served = cost_model_from_document(json.loads(json.dumps(doc)))
+    assert list(served.margin_history) == [(1.5, 0.0), (7.25, 0.1), (7.25, 0.3)]
+    assert served.document_meta()["servedMarginHistory"] == [[1.5, 0.0], [7.25, 0.1], [7.25, 0.3]]
+    assert not cost_model_from_document(table_document(servedOverPredicted=1.2)).margin_history  # older documents
+
+
+@pytest.mark.parametrize("bad", [{"t": 1}, [[1.0]], [[1.0, 0.1, 2]], [[-1.0, 0.1]], [[1.0, 0.6]], [[1.0, -0.1]],
+                                 [[2.0, 0.1], [1.0, 0.1]], [["1", 0.1]], [[True, 0.1]], [[float("nan"), 0.1]],
+                                 [[float(i), 0.1] for i in range(SERVED_MARGIN_HISTORY + 1)]])
+def test_a_malformed_margin_history_is_refused_by_name(bad) -> None:
+    with pytest.raises(CostModelError, match="meta.servedMarginHistory"):
+        cost_model_from_document(table_document(servedOverPredicted=1.2, servedMarginHistory=bad))
+
+
+def test_a_replay_follows_the_margin_as_it_moved() -> None:
+    """A document that dates its margin (0 until `moved`, then 0.4) replays on the same clock: the
+    steps before `moved` are the calm replay's, the ones after it the margin's smaller ones."""
+    config = resolve_config(None, ["scheduler.tokenBudget=8192", "scheduler.itlTargetMs=150"])
+    meta = {"servedOverPredicted": 1.0, "servedFixedSeconds": 0.004, "servedSteps": 600}
+    calm_steps = decoding_steps(simulate(documents(), config, cost_model_from_document(table_document(**meta))))
+    moved = calm_steps[len(calm_steps) // 2].t
+    dated = cost_model_from_document(table_document(**meta, servedNoiseMargin=0.4,
+                                                    servedMarginHistory=[[0.5, 0.0], [moved, 0.4]]))
+    steps = decoding_steps(simulate(documents(), config, dated))
+    before = [s for s in steps if s.t < moved][2 * SERVED_MIN_STEPS:]
+    after = [s for s in steps if s.t >= moved + 0.2]  # the step judged at `moved` runs on with the old bound
+    longest_before, longest_after = max(s.duration for s in before), max(s.duration for s in after)
+    print(f"\nlongest decoding step before the move {longest_before * 1000:.1f} ms, after {longest_after * 1000:.1f} ms")
+    assert 0.150 / 1.4 + 0.005 < longest_before <= 0.150 + 1e-9
+    assert longest_after <= 0.150 / 1.4 + 1e-9

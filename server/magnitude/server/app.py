@@ -231,7 +231,7 @@ def create_app(engine: AsyncEngine, registry: CollectorRegistry | None = None, s
             raise APIError(404, f"no cost model: {phase}", code="cost_model_unavailable")
         served = getattr(engine, "served_cost", None)
         if served is not None:  # what served steps took against the table, for replays (sim/cost.py ServedCost)
-            doc = {**doc, "meta": {**(doc.get("meta") or {}), **served.document_meta()}}
+            doc = {**doc, "meta": {**(doc.get("meta") or {}), **served.document_meta(getattr(engine, "origin", 0.0))}}
         return doc
 
     @app.get("/debug/decisions", dependencies=[Depends(require_admin)])

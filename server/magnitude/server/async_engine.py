@@ -219,10 +219,13 @@ class AsyncEngine:
         self.served_cost: Any = None
         self.scheduler_cost_model: Any = None  # what the scheduler bounds steps by (LimitsFollower.bound)
         self.scheduler_limits: SchedulerLimits | None = None  # what the scheduler runs with
+        # The engine's clock at its start: recorded traces and the served margin's history
+        # (GET /debug/cost-model) count seconds from it, so a replay of the one follows the other.
+        self.origin = clock()
         # recordTrace: ended requests go to a writer thread as trace lines (server/trace_recorder.py).
         self.trace_recorder: TraceRecorder | None = None
         if config.record_trace is not None:
-            self.trace_recorder = TraceRecorder(config.record_trace, clock(), config.kv_cache.block_size)
+            self.trace_recorder = TraceRecorder(config.record_trace, self.origin, config.kv_cache.block_size)
         draft = config.draft_model
         # Speculation's on/off state (mode auto: measured, engine/speculation.py); None without a draft.
         self.speculation = (SpeculationPolicy(draft.mode, lookahead=draft.num_speculative_tokens)

@@ -26,6 +26,7 @@ import json
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
@@ -210,9 +211,21 @@ class TableCost:
 # (real / line - 1), each step weighted by its line seconds, since the steps a target cuts are the
 # big ones (small decode steps scatter more and would overstate it). It stays within
 # [0, SERVED_MAX_MARGIN] and is refitted every SERVED_MARGIN_EVERY judged steps (it sorts the window).
+#
+# The margin moves with the host's phases: one mixed trace's engine ended at the cap, 0.5. A
+# replay's own steps take the line exactly and learn no scatter, and one that kept the end's margin
+# throughout sized every step after its 16th for the worst phase: ITL p50 0.80x the engine's where,
+# with no margin, 1.18x; a burst's replay went the other way (1.02x with the end's margin, 1.18x
+# with none). An engine whose margin went from 0.04 to 0.29 over a run replayed at 0.85x with the
+# end's margin and 1.05x following it (bench/results/sim_fidelity.md, 2026-12-05). So the
+# learner keeps when its margin moved by SERVED_MARGIN_HISTORY_STEP or more (`margin_history`:
+# seconds on the caller's clock, the last SERVED_MARGIN_HISTORY moves), the document carries it (`meta.servedMarginHistory`, on the
+# engine's clock, which recorded traces share), and a replay on that clock follows it.
 SERVED_MARGIN_QUANTILE = 0.9
 SERVED_MAX_MARGIN = 0.5
 SERVED_MARGIN_EVERY = 16
+SERVED_MARGIN_HISTORY = 256
+SERVED_MARGIN_HISTORY_STEP = 0.01
 SERVED_WINDOW = 256
 SERVED_FACTOR_BOUNDS = (0.5, 4.0)
 SERVED_MAX_FIXED_S = 0.05
@@ -241,17 +254,21 @@ class ServedCost:
     `meta.servedPerDecodeSeconds`, `meta.servedOverPredicted`), so the simulator replays with served
     step times (cost_model_from_document), and the steps' scatter about them (`margin`,
     `meta.servedNoiseMargin`: see SERVED_MARGIN_QUANTILE), which the scheduler's bound adds
-    (ServedBound). The table itself (`model`) stays what the calibration measured; null limits are
+    (ServedBound), and when that margin moved (`margin_history`, `meta.servedMarginHistory`: see
+    SERVED_MARGIN_HISTORY). The table itself (`model`) stays what the calibration measured; null limits are
     derived from the served times once SERVED_DERIVE_STEPS steps are judged (derivation_model), from
     the table before."""
 
     def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0,
-                 per_decode_s: float = 0.0, margin: float = 0.0) -> None:
+                 per_decode_s: float = 0.0, margin: float = 0.0,
+                 margin_history: tuple[tuple[float, float], ...] = ()) -> None:
         self.model = model
         self.factor = factor
         self.fixed_s = fixed_s
         self.per_decode_s = per_decode_s
         self.margin = margin
+        # (seconds, margin) each time the margin moved, on the clock of observe's `at`.
+        self.margin_history: deque[tuple[float, float]] = deque(margin_history, maxlen=SERVED_MARGIN_HISTORY)
         self.steps = steps  # served steps observed, including those the model was read with
         # (predicted, counted real, decodes)
         self._window: deque[tuple[float, float, float]] = deque(maxlen=SERVED_WINDOW)
@@ -264,7 +281,9 @@ class ServedCost:
         per_decode = f" + {self.per_decode_s * 1000:.2f} ms a decode" if self.per_decode_s else ""
         return f"{self.model.name} x {self.factor:.3f} + {self.fixed_s * 1000:.1f} ms{per_decode} served"
 
-    def observe(self, predicted_s: float, real_s: float, decodes: int = 0) -> None:
+    def observe(self, predicted_s: float, real_s: float, decodes: int = 0, at: float | None = None) -> None:
+        """A served step: the table predicted `predicted_s`, it took `real_s` carrying `decodes`
+        decodes; `at` (when it was judged, on the caller's clock) dates a margin it moves."""
         if predicted_s < SERVED_MIN_PREDICTED_S or real_s <= 0.0:
             return
         if len(self._window) == self._window.maxlen:
@@ -277,6 +296,10 @@ class ServedCost:
             self.fixed_s, self.factor, self.per_decode_s = self._fit()
             if len(self._window) == SERVED_MIN_STEPS or self.steps % SERVED_MARGIN_EVERY == 0:
                 self.margin = self._margin()
+                moved = (not self.margin_history
+                         or abs(self.margin_history[-1][1] - self.margin) >= SERVED_MARGIN_HISTORY_STEP)
+                if at is not None and moved:
+                    self.margin_history.append((at, self.margin))
         elif len(self._window) >= SERVED_EARLY_STEPS:
             lo, hi = SERVED_FACTOR_BOUNDS
             self.fixed_s, self.per_decode_s, self.factor = 0.0, 0.0, min(hi, max(lo, self._sr / self._sp))
@@ -358,11 +381,25 @@ class ServedCost:
     def step_seconds(self, plan: StepPlan) -> float:
         return self._served(self.model.step_seconds(plan), plan_shape(plan, 0)[0])
 
-    def document_meta(self) -> dict:
-        """What GET /debug/cost-model adds to the table's `meta`."""
+    def document_meta(self, origin: float = 0.0) -> dict:
+        """What GET /debug/cost-model adds to the table's `meta`; the margin's history in seconds
+        since `origin` (the engine's clock at its start, which recorded traces count from)."""
+        history = [[round(max(0.0, t - origin), 3), round(m, 4)] for t, m in self.margin_history]
         return {"servedOverPredicted": round(self.factor, 4), "servedFixedSeconds": round(self.fixed_s, 5),
                 "servedPerDecodeSeconds": round(self.per_decode_s, 6), "servedNoiseMargin": round(self.margin, 4),
-                "servedSteps": self.steps}
+                "servedMarginHistory": history, "servedSteps": self.steps}
+
+
+def margin_at(history: Sequence[tuple[float, float]], t: float) -> float:
+    """The margin a history (ServedCost.margin_history) had in force at `t`: its latest entry at or
+    before `t`, the first one before it (a learner's margin is 0 until it is first fitted, which
+    ServedBound keeps apart; a history cut to its last entries started at the first it kept)."""
+    in_force = history[0][1]
+    for at, margin in history:
+        if at > t:
+            break
+        in_force = margin
+    return in_force
 
 
 class ServedBound:
@@ -643,6 +680,25 @@ def _served_seconds(meta: dict, key: str, most: float, spec: str) -> float:
     return float(value)
 
 
+def _margin_history(value: object, spec: str) -> tuple[tuple[float, float], ...]:
+    """`meta.servedMarginHistory`: [seconds, margin] pairs, seconds >= 0 and not decreasing, each
+    margin in [0, SERVED_MAX_MARGIN], at most SERVED_MARGIN_HISTORY of them."""
+    def number(x: object) -> bool:
+        return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+    what = (f"{spec}: meta.servedMarginHistory: expected at most {SERVED_MARGIN_HISTORY} [seconds, margin] pairs, "
+            f"seconds >= 0 and not decreasing, margins in [0, {SERVED_MAX_MARGIN}]")
+    if not isinstance(value, list) or len(value) > SERVED_MARGIN_HISTORY:
+        raise CostModelError(f"{what}, got {value!r:.200}")
+    pairs: list[tuple[float, float]] = []
+    for entry in value:
+        ok = isinstance(entry, list) and len(entry) == 2 and all(number(x) for x in entry)
+        if not ok or not 0.0 <= entry[1] <= SERVED_MAX_MARGIN or entry[0] < (pairs[-1][0] if pairs else 0.0):
+            raise CostModelError(f"{what}, got {entry!r:.200}")
+        pairs.append((float(entry[0]), float(entry[1])))
+    return tuple(pairs)
+
+
 def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: int = 16) -> CostModel:
     """A cost model from its document (`magnitude profile`'s file, the engine's calibration)."""
     doc = dict(doc)
@@ -661,8 +717,9 @@ def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: in
         fixed = _served_seconds(meta, "servedFixedSeconds", SERVED_MAX_FIXED_S, spec)
         per_decode = _served_seconds(meta, "servedPerDecodeSeconds", SERVED_MAX_PER_DECODE_S, spec)
         margin = _served_seconds(meta, "servedNoiseMargin", SERVED_MAX_MARGIN, spec)
+        history = _margin_history(meta.get("servedMarginHistory", []), spec)
         return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served), steps,
-                          fixed, per_decode, margin)
+                          fixed, per_decode, margin, history)
     cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
     if cls is None:
         raise CostModelError(f"{spec}: kind: unknown cost model kind {kind!r} (linear, table)")

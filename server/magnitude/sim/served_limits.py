@@ -15,17 +15,19 @@ It always starts from the table as measured, and learns this process's served st
 that carries another run's served line (`GET /debug/cost-model`) says what that run's steps took,
 which is how a replay prices its steps (sim/simulate.py), not what this run's will take. A
 replay's own steps take that line exactly and do not scatter, so it passes the document's margin
-(`margin_floor`).
+(`margin_floor`) or, where the document dates it, the margin's history (`margin_history`), which
+the bound then follows by each step's start on the same clock.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from magnitude.engine.output import StepPlan
 from magnitude.policy.schema import SchedulerPolicy
 from magnitude.sim.cost import (SERVED_DERIVE_STEPS, CostModel, SchedulerLimits, ServedBound, ServedCost, UnitCost,
-                                derive_scheduler_limits, limits_moved, measured_model, plan_shape)
+                                derive_scheduler_limits, limits_moved, margin_at, measured_model, plan_shape)
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,8 @@ class LimitsFollower:
     """The scheduler's limits, derived from `cost`'s table and, for a cost model in seconds, from
     served step times as they are learned (see the module docstring)."""
 
-    def __init__(self, sp: SchedulerPolicy, cost: CostModel | None, margin_floor: float = 0.0) -> None:
+    def __init__(self, sp: SchedulerPolicy, cost: CostModel | None, margin_floor: float = 0.0,
+                 margin_history: Sequence[tuple[float, float]] = ()) -> None:
         self.sp = sp
         table = measured_model(cost)
         self.served = ServedCost(table) if table is not None and not isinstance(table, UnitCost) else None
@@ -52,6 +55,7 @@ class LimitsFollower:
         # took 1.12-1.63x their predictions, about the 196.2 ms target, on a table measured 2 h earlier:
         # bench/results/derived_defaults.md.) The margin is 0 until SERVED_MIN_STEPS steps are judged.
         self.bound: CostModel | None = ServedBound(self.served, margin_floor) if self.served is not None else table
+        self.margin_history = tuple(margin_history)
         self.limits = derive_scheduler_limits(sp, table)
         self._derived_at = 0
         self._previous: tuple[float, float, int] | None = None  # the last decoding step: (predicted s, start, decodes)
@@ -65,7 +69,9 @@ class LimitsFollower:
             return None
         if decoding and self._previous is not None:
             predicted, previous_start, decodes = self._previous
-            served.observe(predicted, start - previous_start, decodes)
+            served.observe(predicted, start - previous_start, decodes, at=start)
+        if self.margin_history and isinstance(self.bound, ServedBound):
+            self.bound.margin_floor = margin_at(self.margin_history, start)
         self._previous = (served.model.step_seconds(plan), start, plan_shape(plan, 0)[0]) \
             if decoding and plan is not None else None
         if served.steps - self._derived_at < SERVED_DERIVE_STEPS:

@@ -113,9 +113,11 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
              speculation: SpecModel | None = None) -> SimResult:
     """`speculation`: the acceptance and draft cost to simulate a config's draftModel with (sim/speculation.py)."""
     # The engine starts from its table and learns what its steps take; here they take `cost_model`'s times,
-    # which do not scatter: the bound keeps the engine's margin for its steps' scatter (a document's).
-    follower = LimitsFollower(config.scheduler, cost_model,
-                              cost_model.margin if isinstance(cost_model, ServedCost) else 0.0)
+    # which do not scatter: the bound keeps the engine's margin for its steps' scatter (a document's), as
+    # it moved over the engine's clock where the document dates it (recorded traces share that clock).
+    served = cost_model if isinstance(cost_model, ServedCost) else None
+    follower = LimitsFollower(config.scheduler, cost_model, served.margin if served else 0.0,
+                              tuple(served.margin_history) if served else ())
     config = _with_sim_blocks(apply_limits(config, follower.limits))
     check_trace(records, config)
     sched = Scheduler(config, cost_model=follower.bound)
