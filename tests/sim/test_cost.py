@@ -156,12 +156,29 @@ def test_calibrations_of_one_machine_derive_similar_targets(day) -> None:
     assert max(targets) < 3 * min(targets), targets
 
 
+def _fixed_cost_table(fixed_s: float) -> TableCost:
+    """Steps of `fixed_s` + 1 ms a prompt token + 3 ms a decode."""
+    rows, cols = (0.0, 8.0), (0.0, 16.0, 64.0, 256.0, 1024.0)
+    return TableCost(rows, cols, tuple(tuple(0.0 if d == p == 0 else fixed_s + 0.001 * p + 0.003 * d for p in cols)
+                                       for d in rows))
+
+
+def test_reading_pace_lowers_the_efficient_step_where_it_gives_up_little() -> None:
+    """20 ms fixed: 90% of the rate takes 192 tokens, 236 ms beside 8 decodes; 128 tokens (172 ms)
+    keeps 86%, so the step is 128. 60 ms fixed: 90% takes 1,024 tokens; the largest step within
+    200 ms, 96 tokens, keeps 62%, so the step stays (a CPU whose every step is dear: fp32)."""
+    assert efficient_prefill_step(_fixed_cost_table(0.020), 256) == (128, 172.0, False)
+    assert efficient_prefill_step(_fixed_cost_table(0.060), 256) == (1024, 1108.0, False)
+
+
 def test_the_efficient_step_on_the_fitted_line() -> None:
     """Both sets' chunks and targets exactly, and the line's edge cases."""
     assert [(x.prefill_chunk_size, x.itl_target_ms) for x in map(_derive, SAME_MACHINE_TABLES["2026-12-01"])] == \
         [(96, 738.3), (48, 448.7), (16, 256.0)]
     assert [(x.prefill_chunk_size, x.itl_target_ms) for x in map(_derive, SAME_MACHINE_TABLES["2026-12-02"])] == \
-        [(16, 158.0), (16, 110.7), (16, 120.2), (32, 241.2)]
+        [(16, 158.0), (16, 110.7), (16, 120.2), (16, 125.6)]
+    # The last table's 32 tokens (241.2 ms beside 8 decodes) is past reading pace, and 16 keeps
+    # over PACED_PREFILL_EFFICIENCY of its line's rate: it takes 16, as its neighbours do.
     # One cell of three far off the others' line: the medians follow the two (least squares: 64
     # tokens), and the smaller choice is taken.
     outlier = ((0.0, 0.08, 0.48, 1.28), (0.01, 0.09, 0.49, 1.29))

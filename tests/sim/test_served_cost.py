@@ -16,7 +16,7 @@ from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_EARLY_STEPS, SERVED_
                                 SERVED_MAX_FIXED_S, SERVED_MAX_MARGIN, SERVED_MAX_PER_DECODE_S, SERVED_MIN_STEPS,
                                 SERVED_PRIOR_SPREAD, SERVED_WINDOW, CostModelError, SchedulerLimits, ServedBound, ServedCost, TableCost,
                                 READING_PACE_ITL_MS, cost_model_from_document, derivation_model, derive_scheduler_limits,
-                                limits_moved, margin_at)
+                                _prefill_step, limits_moved, margin_at)
 from magnitude.sim.served_limits import LimitsFollower
 from magnitude.sim.report import build_report
 from magnitude.sim.simulate import simulate
@@ -216,11 +216,13 @@ def test_a_decode_share_keeps_prefill_only_steps_efficient_and_the_target_near()
     by_decode, by_step = derive_scheduler_limits(sp, three), derive_scheduler_limits(sp, two)
     print(f"\n{three.name}: {by_decode}\n{two.name}: {by_step}")
     # The fixed-only line makes every step pay the decodes' share, so only big prefill-only steps look
-    # efficient (192 tokens), and the target is what that step costs beside 8 decodes, past reading pace.
-    assert by_step.prefill_chunk_size >= 192 and by_step.itl_target_ms > READING_PACE_ITL_MS
-    # Per decode, the step is the one efficient beside 8 decodes, within reading pace.
-    assert by_decode.prefill_chunk_size < by_step.prefill_chunk_size
-    assert by_decode.itl_target_ms <= READING_PACE_ITL_MS
+    # efficient (192 tokens, past reading pace beside 8 decodes), and reading pace takes it back to 128.
+    assert _prefill_step(two, [16, 32, 48, 64, 96, 128, 192, 256], 0) >= 192
+    assert by_step.prefill_chunk_size == 128 and by_step.itl_target_ms <= READING_PACE_ITL_MS
+    # Per decode, the step is the one efficient beside 8 decodes, within reading pace, and the target
+    # what it costs there, less than the fixed-only line charges.
+    assert by_decode.prefill_chunk_size <= by_step.prefill_chunk_size
+    assert by_decode.itl_target_ms < by_step.itl_target_ms <= READING_PACE_ITL_MS
 
 
 # A table whose steps cost in proportion to their tokens (1 ms each, decodes and prefill alike), as

@@ -481,6 +481,15 @@ MAX_DERIVED_BUDGET = 65_536
 # token every 200 ms, 5 a second, about the pace people read at; a stream slower than that is a stall
 # its reader sees. It never lowers the prefill-only step (fp32 on two cores: 256 tokens, 554 ms).
 READING_PACE_ITL_MS = 200.0
+# The share of the prefill-only rate the efficient step gives up for reading pace: where that step
+# beside the decodes is predicted past READING_PACE_ITL_MS, it is lowered to the largest candidate
+# within it if that candidate keeps this share of the line's best rate. On two AVX-512 EPYC cores
+# (w4a16-bf16prefill) a served line of 7.4 ms + 0.943x the table, fitted during the long-prompt
+# trace, made 192 tokens the efficient step and the target 299.6 ms (a chunk at 90% needs 9x the
+# fixed cost's worth of tokens, and 128 kept about 86%); budget 128 served that trace at the same
+# throughput (103.1 against 102.5 tok/s, bench/results/derived_defaults.md, 2026-12-05). fp32's
+# small steps keep far less (16 tokens 150 ms, 256 tokens 554 ms), so it keeps its step.
+PACED_PREFILL_EFFICIENCY = 0.8
 # Prefill step sizes compared for the default target (tokens per step).
 EFFICIENT_STEP_CANDIDATES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048)
 
@@ -554,6 +563,16 @@ def _efficient_on_line(a: float, b: float, candidates: list[int]) -> int:
     return min((c for c in candidates if c >= threshold), default=candidates[-1])
 
 
+def _prefill_efficiency(cost: CostModel, candidates: list[int], chunk: int) -> float:
+    """A prefill-only step's rate as a share of the best on the fitted lines (the larger of the
+    two lines' shares, as _prefill_step takes the smaller of their steps), else of the candidates'."""
+    fits = _fitted_step_costs(cost, candidates, 0)
+    if fits:
+        return max(1.0 if b <= 0 else chunk / (chunk + max(a, 0.0) / b) for a, b in fits)
+    rate = {c: c / max(cost.seconds_for(0, c), 1e-9) for c in candidates}
+    return (chunk / max(cost.seconds_for(0, chunk), 1e-9)) / max(rate.values())
+
+
 def _prefill_step(cost: CostModel, candidates: list[int], decodes: int) -> int:
     """The smallest candidate chunk whose rate beside `decodes` decodes, on a fitted line
     (_fitted_step_costs, _efficient_on_line), is at least PREFILL_EFFICIENCY of the line's best,
@@ -570,7 +589,9 @@ def _prefill_step(cost: CostModel, candidates: list[int], decodes: int) -> int:
 def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float, bool]:
     """The default chunk, the ITL target in ms, and whether the chunk was raised for the decodes.
     The chunk: the efficient prefill-only step (_prefill_step with no decodes; candidates within a
-    table's measured range), raised where steps beside d = min(maxSequences, TYPICAL_DECODES)
+    table's measured range), lowered to the largest candidate predicted within READING_PACE_ITL_MS
+    beside d decodes where it is past that and the candidate keeps PACED_PREFILL_EFFICIENCY of the
+    rate (_prefill_efficiency), raised where steps beside d = min(maxSequences, TYPICAL_DECODES)
     decodes are efficient only at a bigger size, to that size, but not past the largest candidate
     whose step beside the d decodes is predicted within READING_PACE_ITL_MS (on a ServedBound, by its
     line: what the step takes). The target: the predicted time of the chunk beside the d decodes
@@ -585,6 +606,8 @@ def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, fl
     # margin for the steps' scatter scales every step alike, so the chunk it is judged on is the same.
     pace = cost.served if isinstance(cost, ServedBound) else cost
     paced = [c for c in candidates if pace.seconds_for(d, c) * 1000.0 <= READING_PACE_ITL_MS]
+    if paced and chunk > max(paced) and _prefill_efficiency(cost, candidates, max(paced)) >= PACED_PREFILL_EFFICIENCY:
+        chunk = max(paced)
     beside_decodes = min(_prefill_step(cost, candidates, d), max(paced, default=chunk))
     raised = beside_decodes > chunk
     chunk = max(chunk, beside_decodes)
