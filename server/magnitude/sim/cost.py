@@ -486,7 +486,7 @@ READING_PACE_ITL_MS = 200.0
 # within it if that candidate keeps this share of the line's best rate. On two AVX-512 EPYC cores
 # (w4a16-bf16prefill) a served line of 7.4 ms + 0.943x the table, fitted during the long-prompt
 # trace, made 192 tokens the efficient step and the target 299.6 ms (a chunk at 90% needs 9x the
-# fixed cost's worth of tokens, and 128 kept about 86%); budget 128 served that trace at the same
+# fixed cost's worth of tokens, and 128 keeps 89% on that line); budget 128 served that trace at the same
 # throughput (103.1 against 102.5 tok/s, bench/results/derived_defaults.md, 2026-12-05). fp32's
 # small steps keep far less (16 tokens 150 ms, 256 tokens 554 ms), so it keeps its step.
 PACED_PREFILL_EFFICIENCY = 0.8
