@@ -219,8 +219,9 @@ class TableCost:
 # with none). An engine whose margin went from 0.04 to 0.29 over a run replayed at 0.85x with the
 # end's margin and 1.05x following it (bench/results/sim_fidelity.md, 2026-12-05). So the
 # learner keeps when its margin moved by SERVED_MARGIN_HISTORY_STEP or more (`margin_history`:
-# seconds on the caller's clock, the last SERVED_MARGIN_HISTORY moves), the document carries it (`meta.servedMarginHistory`, on the
-# engine's clock, which recorded traces share), and a replay on that clock follows it.
+# seconds on the caller's clock, the last SERVED_MARGIN_HISTORY moves), the document carries it
+# (`meta.servedMarginHistory`, on the engine's clock, which recorded traces share), and a replay on
+# that clock follows it.
 SERVED_MARGIN_QUANTILE = 0.9
 SERVED_MAX_MARGIN = 0.5
 SERVED_MARGIN_EVERY = 16
@@ -479,7 +480,8 @@ MIN_DERIVED_BUDGET = 16
 MAX_DERIVED_BUDGET = 65_536
 # The default target's ceiling where the chunk is raised for the decodes (efficient_prefill_step): a
 # token every 200 ms, 5 a second, about the pace people read at; a stream slower than that is a stall
-# its reader sees. It never lowers the prefill-only step (fp32 on two cores: 256 tokens, 554 ms).
+# its reader sees. It lowers the prefill-only step only where that costs little of its rate
+# (PACED_PREFILL_EFFICIENCY, below): fp32 on two cores keeps its 256 tokens, 554 ms.
 READING_PACE_ITL_MS = 200.0
 # The share of the prefill-only rate the efficient step gives up for reading pace: where that step
 # beside the decodes is predicted past READING_PACE_ITL_MS, it is lowered to the largest candidate
