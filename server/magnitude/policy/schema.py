@@ -95,7 +95,8 @@ class SchedulerPolicy(PolicyModel):
         "chunk) stays within it while requests decode, and null tokenBudget/prefillChunkSize are derived "
         "for it. Null: when anything is derived, the predicted time of an efficient step beside 8 decodes (the "
         "smallest prefill step within 90% of the rate a line fitted through the measured prefill-only steps allows; "
-        "raised where steps beside 8 decodes reach that share only at a bigger size, to that size, but to none "
+        "where that step beside 8 decodes is predicted over 200 ms, the largest within 200 ms if it keeps 80% of "
+        "the rate; raised where steps beside 8 decodes reach 90% only at a bigger size, to that size, but to none "
         "predicted over 200 ms), else no per-step bound.",
     )
     preemption_mode: Literal["recompute", "swap", "auto"] = Field(
