@@ -21,9 +21,10 @@
    (target 0.85-1.15), with the load average: the machine is shared, so read the ratios, not the
    seconds; then the steps the engine ran (its magnitude_step_duration_seconds histogram: count and
    seconds) against the replay's, which tells a cost model that is off per step from a schedule
-   that differs; and the limits the engine ended with (/readyz) against the replay's. With --keep
-   the engine's scheduler decisions (`GET /debug/decisions`) are kept too, as decisions.json, to set
-   a request's admission beside the replay's events (`magnitude simulate --json`).
+   that differs; and the limits the engine ended with (/readyz) against the replay's. The engine's
+   scheduler decisions (`GET /debug/decisions`) are written beside the recording as decisions.json,
+   their `t` moved onto the load generator's clock as the recording is, to set a request's admission
+   beside the replay's events (`magnitude simulate --json`); --keep keeps the directory.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict
             if not page["decisions"] or page["next"] == since:
                 break
             since = page["next"]
-        trace.with_name("decisions.json").write_text(json.dumps(decisions))
+        trace.with_name("decisions.json").write_text(json.dumps(decisions))  # engine clock: main() moves it
         report = json.loads(real.read_text())
         report["engine_steps"] = step_totals(httpx.get(url + "/metrics", timeout=30).text)
         report["engine_limits"] = httpx.get(url + "/readyz", timeout=30).json().get("scheduler")
@@ -194,6 +195,8 @@ def main() -> int:
                                 "cancel_at": None if r.cancel_at is None else r.cancel_at - shift,
                                 "deadline": None if r.deadline is None else r.deadline - shift}) for r in rec]
     write_trace(rec, recorded)
+    decisions = work / "decisions.json"
+    decisions.write_text(json.dumps([{**d, "t": round(d["t"] - shift, 6)} for d in json.loads(decisions.read_text())]))
     if cost.exists() and not args.cost_model:
         doc = json.loads(cost.read_text())
         cost.write_text(json.dumps(shifted_margin_history(doc, shift)))

@@ -162,6 +162,22 @@ def debug(s: RunningServer, some_id: str) -> dict[str, Any]:
     return r.json()
 
 
+def test_decisions_count_from_the_engines_origin_on_a_shared_clock() -> None:
+    """The decision log's `t`, the recorded trace's arrivals and the served margin's history share
+    one origin when the request log runs on the engine's clock (a replay sets them side by side)."""
+    from magnitude.server.async_engine import AsyncEngine
+    from magnitude.server.metrics import EngineMetrics
+
+    config = sim_config()
+    clock = Clock()
+    log = RequestLog(clock)
+    clock.t = 107.5  # the engine is made later than the log (serve builds the log first)
+    engine = AsyncEngine(config, simulated(config), EngineMetrics(), request_log=log, clock=clock)
+    assert engine.origin == log.origin == 100.0
+    other = AsyncEngine(config, simulated(config), EngineMetrics(), request_log=RequestLog(Clock()), clock=time.monotonic)
+    assert other.origin != 100.0  # another clock: the engine keeps its own
+
+
 def test_timeline_over_http_found_by_every_id_and_timing_adds_up() -> None:
     config = sim_config(scheduler__prefill_chunk_size=32, scheduler__token_budget=64)
     with serve(simulated(config), config, ServerSettings(admin_token="adm")) as s:

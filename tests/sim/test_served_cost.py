@@ -495,6 +495,7 @@ def test_the_margin_in_force_is_the_latest_dated_before() -> None:
     history = ((10.0, 0.0), (20.0, 0.2), (30.0, 0.4))
     assert [margin_at(history, t) for t in (0.0, 10.0, 19.9, 20.0, 29.0, 31.0, 1e9)] == [0.0, 0.0, 0.0, 0.2, 0.2, 0.4, 0.4]
     assert margin_at(((5.0, 0.3),), 1.0) == 0.3  # a history cut to its last entries starts at its first
+    assert margin_at((), 1.0) == 0.0
 
 
 def test_a_document_carries_the_margin_history() -> None:

@@ -97,7 +97,8 @@ class SchedulerPolicy(PolicyModel):
         "smallest prefill step within 90% of the rate a line fitted through the measured prefill-only steps allows; "
         "where that step beside 8 decodes is predicted over 200 ms, the largest within 200 ms if it keeps 80% of "
         "the rate; raised where steps beside 8 decodes reach 90% only at a bigger size, to that size, but to none "
-        "predicted over 200 ms), else no per-step bound.",
+        "predicted over 200 ms), plus a margin for how served steps scatter about their predictions (so it may "
+        "exceed 200 ms by that margin); else no per-step bound.",
     )
     preemption_mode: Literal["recompute", "swap", "auto"] = Field(
         default="recompute",

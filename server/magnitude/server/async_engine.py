@@ -220,8 +220,9 @@ class AsyncEngine:
         self.scheduler_cost_model: Any = None  # what the scheduler bounds steps by (LimitsFollower.bound)
         self.scheduler_limits: SchedulerLimits | None = None  # what the scheduler runs with
         # The engine's clock at its start: recorded traces and the served margin's history
-        # (GET /debug/cost-model) count seconds from it, so a replay of the one follows the other.
-        self.origin = clock()
+        # (GET /debug/cost-model) count seconds from it, so a replay of the one follows the other; the
+        # request log's on the same clock, so its decisions (GET /debug/decisions) count from it too.
+        self.origin = request_log.origin if request_log is not None and request_log.clock is clock else clock()
         # recordTrace: ended requests go to a writer thread as trace lines (server/trace_recorder.py).
         self.trace_recorder: TraceRecorder | None = None
         if config.record_trace is not None:

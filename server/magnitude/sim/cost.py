@@ -394,7 +394,10 @@ class ServedCost:
 def margin_at(history: Sequence[tuple[float, float]], t: float) -> float:
     """The margin a history (ServedCost.margin_history) had in force at `t`: its latest entry at or
     before `t`, the first one before it (a learner's margin is 0 until it is first fitted, which
-    ServedBound keeps apart; a history cut to its last entries started at the first it kept)."""
+    ServedBound keeps apart; a history cut to its last entries started at the first it kept). An
+    empty history is a margin of 0."""
+    if not history:
+        return 0.0
     in_force = history[0][1]
     for at, margin in history:
         if at > t:
