@@ -1,6 +1,6 @@
 """w4a16-bf16prefill (runner/quantize.py, `int4_mixed_rows` in lowbit_kernels.c): the rows of a
 prompt chunk are multiplied in bf16 (x and the 4-bit weights rounded to bf16, VDPBF16PS, fp32
-sums), every other row exactly as w4a16's. The kernel must compute that product and nothing else,
+sums; on AMX tiles where the CPU has them), every other row exactly as w4a16's. The kernel must compute that product and nothing else,
 give a row the same bits whatever shares its batch, and leave unmarked rows bit for bit w4a16's;
 the fused step and the lean forward must both apply it to the rows the runner marks, and only to
 those; a build without AVX512-BF16 must refuse the method by name. The kernel tests need a CPU with
@@ -83,6 +83,36 @@ def test_a_marked_rows_result_does_not_depend_on_its_batch_or_the_threads(bf16_k
         assert torch.equal(bf16_kernel.int4_bf16_matmul(x, packed, scales, mins, marks), batched)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_amx_tiles_and_avx512_bf16_multiply_the_same_operands(bf16_kernel, monkeypatch):
+    """On a CPU with AMX the marked rows run on its tiles (MAGNITUDE_LOWBIT_AMX, on by default);
+    the AVX512-BF16 pass multiplies the same bf16 operands, so the two agree to the order of their
+    fp32 sums: for 1 row (a padded tile), 17 (a second tile) and 70 (past a 64-row block), and for
+    a channel count that leaves a short last block. Any other value than 0 or 1 is refused by name."""
+    if not bf16_kernel.amx:
+        pytest.skip(f"no AMX tiles here: {bf16_kernel.name} on {isa_description()}")
+    _codes, packed, scales, mins = int4_weights(200, 576, seed=5)
+    lib = bf16_kernel.lib
+    for m in (1, 17, 70):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        marks = np.ones(m, dtype=np.uint8)
+        amx = bf16_kernel.int4_bf16_matmul(x, packed, scales, mins, marks)
+        try:
+            assert lib.magnitude_lowbit_set_amx(0) == 0
+            avx512 = bf16_kernel.int4_bf16_matmul(x, packed, scales, mins, marks)
+        finally:
+            assert lib.magnitude_lowbit_set_amx(1) == 1
+        assert _rel(amx, avx512) < 1e-5, (m, _rel(amx, avx512))
+    monkeypatch.setenv(lowbit.AMX_ENV, "yes")
+    with pytest.raises(lowbit.LowbitKernelError, match="MAGNITUDE_LOWBIT_AMX='yes': expected 0 or 1"):
+        lowbit.load(bf16_kernel.path)
+    monkeypatch.setenv(lowbit.AMX_ENV, "0")
+    try:
+        off = lowbit.load(bf16_kernel.path)
+        assert not off.amx and off.name == bf16_kernel.name.removesuffix("-amx")
+    finally:
+        assert lib.magnitude_lowbit_set_amx(1) == 1
 
 
 def test_the_linear_multiplies_the_marked_rows_of_the_step_in_bf16(bf16_kernel):

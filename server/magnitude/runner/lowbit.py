@@ -14,7 +14,10 @@ OpenMP) into `$MAGNITUDE_CACHE/kernels/lowbit-<key>.so`, the key hashing the sou
 the flags and the CPU (its model and feature flags, and what `-march=native` resolves to), so pods
 of different CPUs sharing a cache volume each get their own build. A build takes about a second. No compiler, or a failed build,
 means torch's kernels, logged once. `MAGNITUDE_LOWBIT_KERNEL=torch` keeps torch's kernels;
-`=native` makes a missing build an error (tests compare the two).
+`=native` makes a missing build an error (tests compare the two). On a CPU with AMX (built with
+`-march=native`, Linux granting the tile state) w4a16-bf16prefill's bf16 products run on AMX tiles;
+`MAGNITUDE_LOWBIT_AMX=0` keeps them on AVX512-BF16 (the same operands, other sums' order; the
+kernels' name, in cache keys and records, says `-amx`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from magnitude.runner.model_cache import cache_root
 log = logging.getLogger(__name__)
 
 KERNEL_ENV = "MAGNITUDE_LOWBIT_KERNEL"
+AMX_ENV = "MAGNITUDE_LOWBIT_AMX"
 SOURCE = Path(__file__).with_name("lowbit_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
@@ -60,10 +64,11 @@ class LowbitKernels:
     lib: ctypes.CDLL
     isa: str  # "avx512", "avx2" or "generic": which code path the build took
     path: Path
+    amx: bool = False  # the bf16 products run on AMX tiles (load(): MAGNITUDE_LOWBIT_AMX, the build, the OS)
 
     @property
     def name(self) -> str:
-        return f"magnitude-{self.isa}"
+        return f"magnitude-{self.isa}{'-amx' if self.amx else ''}"
 
     def int4_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     mins: torch.Tensor) -> torch.Tensor:
@@ -204,6 +209,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.magnitude_int4_bf16_matmul.restype = ctypes.c_int
     lib.magnitude_to_f16.argtypes = [p, p, i64]
     lib.magnitude_to_f16.restype = None
+    lib.magnitude_lowbit_set_amx.argtypes = [i32]
+    lib.magnitude_lowbit_set_amx.restype = ctypes.c_int
 
 
 def _cpu_identity() -> str:
@@ -276,9 +283,14 @@ def build(directory: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path
 
 
 def load(path: Path) -> LowbitKernels:
+    """The library at `path`, its bf16 products on AMX tiles where the build has them, Linux grants
+    the tile state and MAGNITUDE_LOWBIT_AMX is not 0 (the choice is process-wide: the last load's)."""
+    choice = os.environ.get(AMX_ENV, "1")
+    if choice not in ("0", "1"):
+        raise LowbitKernelError(f"{AMX_ENV}={choice!r}: expected 0 or 1")
     lib = ctypes.CDLL(str(path))
     _declare(lib)
-    return LowbitKernels(lib, lib.magnitude_lowbit_isa().decode(), path)
+    return LowbitKernels(lib, lib.magnitude_lowbit_isa().decode(), path, bool(lib.magnitude_lowbit_set_amx(choice == "1")))
 
 
 _lock = threading.Lock()

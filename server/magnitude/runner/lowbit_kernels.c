@@ -511,6 +511,32 @@ static void int4q8_rows(const int8_t *q, const float *d, const float *s, int m, 
 #define BF16_CHANNELS 16
 #define BF16_ROWS 8
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define MAGNITUDE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* AMX (Intel's tile unit: TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16
+   fp32 sums) for the marked rows, where the build has it, Linux grants the tile state and
+   lowbit.py turned it on (MAGNITUDE_LOWBIT_AMX, default on): the same operands as VDPBF16PS's (x
+   and the weights rounded to bf16, fp32 sums), several times the multiply-adds per instruction.
+   Process-wide, set once at load, so a row's result still depends on its own input only: every
+   marked row of every product takes the same path. */
+static int amx_on = 0;
+
+int magnitude_lowbit_set_amx(int want) {
+#ifdef MAGNITUDE_AMX
+    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): the kernel's permission to use
+       the tile registers, once per process (torch's oneDNN asks the same). */
+    amx_on = want && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    (void)want;
+    amx_on = 0;
+#endif
+    return amx_on;
+}
+
 int magnitude_lowbit_bf16(void) {
 #ifdef __AVX512BF16__
     return 1;
@@ -571,15 +597,122 @@ static void int4_bf16_rows(const __m512bh *xb, const int64_t *rows, int64_t m, i
     }
 }
 
+#ifdef MAGNITUDE_AMX
+#define AMX_ROWS 16  /* rows of an activation tile; a product's marked rows are padded to a multiple */
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tile_config;
+
+/* r[i] <- the i-th column of the 16 x 16 matrix of 32-bit elements r holds (row i = r[i]). */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* y[rows[i]][n0..n1) = xb[i] @ W^T with AMX: xb [m padded to AMX_ROWS][k/32 vectors] (the padding
+   rows are zeroed here), tile as for int4_bf16_rows, pairs its VNNI copy (the layout TDPBF16PS
+   takes a weight tile in: per group, 16 rows of input pairs x 16 channels). Per block of 16
+   channels and 64 rows, four accumulator tiles run over the groups in order. */
+static void int4_bf16_rows_amx(__m512bh *xb, const int64_t *rows, int64_t m, int64_t k, const uint8_t *codes,
+                               const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1,
+                               __m512bh *tile, __m512i *pairs) {
+    const int64_t G = k / 32, padded = (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    memset(xb + m * G, 0, (size_t)((padded - m) * G) * sizeof(__m512bh));
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 7; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    float out[4][AMX_ROWS][16] __attribute__((aligned(64)));
+    const long stride = (long)(G * sizeof(__m512bh));
+    for (int64_t c0 = n0; c0 < n1; c0 += BF16_CHANNELS) {
+        const int nc = (int)(n1 - c0 < BF16_CHANNELS ? n1 - c0 : BF16_CHANNELS);
+        int4_bf16_tile(k, codes, scales, mins, c0, nc, tile);
+        for (int64_t g = 0; g < G; g++) {
+            __m512i r[16];
+            for (int c = 0; c < 16; c++)  /* channels past nc: any finite value, their sums are not stored */
+                r[c] = c < nc ? (__m512i)tile[c * G + g] : _mm512_setzero_si512();
+            transpose16_epi32(r);
+            for (int p = 0; p < 16; p++) pairs[g * 16 + p] = r[p];
+        }
+        for (int64_t r0 = 0; r0 < padded; r0 += 4 * AMX_ROWS) {
+            const int blocks = (int)((padded - r0) / AMX_ROWS < 4 ? (padded - r0) / AMX_ROWS : 4);
+            const char *a = (const char *)(xb + r0 * G);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t g = 0; g < G; g++) {
+                _tile_loadd(6, pairs + g * 16, 64);
+                _tile_loadd(4, a + g * 64, stride);
+                _tile_dpbf16ps(0, 4, 6);
+                if (blocks > 1) {
+                    _tile_loadd(5, a + AMX_ROWS * stride + g * 64, stride);
+                    _tile_dpbf16ps(1, 5, 6);
+                }
+                if (blocks > 2) {
+                    _tile_loadd(4, a + 2 * AMX_ROWS * stride + g * 64, stride);
+                    _tile_dpbf16ps(2, 4, 6);
+                }
+                if (blocks > 3) {
+                    _tile_loadd(5, a + 3 * AMX_ROWS * stride + g * 64, stride);
+                    _tile_dpbf16ps(3, 5, 6);
+                }
+            }
+            _tile_stored(0, out[0], 64);
+            _tile_stored(1, out[1], 64);
+            _tile_stored(2, out[2], 64);
+            _tile_stored(3, out[3], 64);
+            const __mmask16 keep = (__mmask16)((1u << nc) - 1u);
+            for (int64_t i = 0; i < blocks * AMX_ROWS && r0 + i < m; i++)
+                _mm512_mask_storeu_ps(y + rows[r0 + i] * ldy + c0, keep, _mm512_load_ps(out[i / AMX_ROWS][i % AMX_ROWS]));
+        }
+    }
+    _tile_release();
+}
+#endif
+
 /* A thread's scratch for bf16 products: its bf16 copy of the marked rows and its weight tile. */
 typedef struct {
     __m512bh *xb, *tile;
+    __m512i *pairs;  /* with AMX: the tile in TDPBF16PS's layout */
     int64_t *rows;
 } bf16_scratch;
 
 static int bf16_scratch_alloc(bf16_scratch *s, int64_t m, int64_t widest) {
-    s->xb = aligned_alloc(64, (size_t)(m * (widest / 32) + BF16_CHANNELS * (widest / 32)) * sizeof(__m512bh));
-    s->tile = s->xb ? s->xb + m * (widest / 32) : 0;
+    const int64_t G = widest / 32, tiles = amx_on ? 2 : 1;
+#ifdef MAGNITUDE_AMX
+    const int64_t held = amx_on ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m;
+#else
+    const int64_t held = m;
+#endif
+    s->xb = aligned_alloc(64, (size_t)(held * G + tiles * BF16_CHANNELS * G) * sizeof(__m512bh));
+    s->tile = s->xb ? s->xb + held * G : 0;
+    s->pairs = s->tile && amx_on ? (__m512i *)(s->tile + BF16_CHANNELS * G) : 0;
     s->rows = malloc((size_t)(m > 0 ? m : 1) * sizeof(int64_t));
     return s->xb && s->rows;
 }
@@ -623,6 +756,13 @@ static void int4_mixed_rows(const float *x, int64_t m, int64_t k, const uint8_t 
             int4_rows(x + p * k, rows, k, codes, scales, mins, y + p * ldy, ldy, n0, n1);
         }
     }
+#ifdef MAGNITUDE_AMX
+    if (marked && bf16->pairs) {
+        int4_bf16_rows_amx(bf16->xb, bf16->rows, marked, k, codes, scales, mins, y, ldy, n0, n1, bf16->tile,
+                           bf16->pairs);
+        return;
+    }
+#endif
 #ifdef __AVX512BF16__
     if (marked) int4_bf16_rows(bf16->xb, bf16->rows, marked, k, codes, scales, mins, y, ldy, n0, n1, bf16->tile);
 #endif
