@@ -20,6 +20,8 @@ Systems (started one at a time on 127.0.0.1, killed after their traces):
 - magnitude-w4a16-derived: w4a16 with scheduler settings derived as magnitude-default's (the default
   weights on CPUs without AVX512-BF16; beside magnitude-default on one with it, what its bf16 prompt
   products gain);
+- magnitude-default-noamx: magnitude-default with `MAGNITUDE_LOWBIT_AMX=0` (on a CPU with AMX, its
+  bf16 prompt products on AVX512-BF16 instead of AMX tiles; elsewhere the same as magnitude-default);
 - magnitude-default-f32kv: the same with the KV cache in float32 (`--set kvCache.dtype=float32`;
   the default's is float16 beside w4a16 weights);
 - magnitude-w4a8: the w4a16 weights times int8-rounded activations (`--quantization w4a8`, what
@@ -150,6 +152,7 @@ MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int | None]] = {
     "magnitude-w4a16": (["--dtype", "float32", "--quantization", "w4a16"], 128),  # budget as int8: not swept
     "magnitude-default": ([], None),  # what `magnitude serve` does with nothing set
     "magnitude-default-f32kv": (["--set", "kvCache.dtype=float32"], None),
+    "magnitude-default-noamx": ([], None),  # with VARIANT_ENV's MAGNITUDE_LOWBIT_AMX=0
     "magnitude-w4a16-derived": (["--dtype", "float32", "--quantization", "w4a16"], None),
     # llama.cpp's own numerics for these weights (Q4_1 x Q8_1); its record fails one probe on
     # SmolLM2 (docs/runner.md), so this run allows one; scheduler settings derived as the default's
@@ -185,7 +188,8 @@ def server_command(system: str, port: int, args: argparse.Namespace, gguf: Path)
                 "--threads", str(args.threads), "--quantization", "int8" if system == "hf-int8" else "none"]
     if system == "llama":
         return [args.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
-                "-cb", "-c", str(8 * 2048), "-t", str(args.threads), "-tb", str(args.threads), "--no-webui"]
+                "-cb", "-c", str(8 * 2048), "-t", str(args.threads), "-tb", str(args.threads), "--no-webui",
+                *args.llama_arg]
     raise ValueError(system)
 
 
@@ -223,6 +227,8 @@ def single_stream(path: Path, url: str, report_path: Path, repeats: int = 3) -> 
     best = min(runs)
     return {"single_ms_per_token": best[0] * 1000, "single_ttft": best[1],
             "single_ms_per_token_runs": [r[0] * 1000 for r in runs]}
+# Environment a variant adds to the server's.
+VARIANT_ENV: dict[str, dict[str, str]] = {"magnitude-default-noamx": {"MAGNITUDE_LOWBIT_AMX": "0"}}
 
 
 def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, gguf: Path, out_dir: Path,
@@ -232,7 +238,7 @@ def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, g
     # Same threading for every system (torch and ggml both use libgomp here): the runner's default
     # short spin (see magnitude/runner/__init__.py), applied to llama-server and HF too.
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GOMP_SPINCOUNT="1000",
-               PYTHONPATH=f"{ROOT / 'server'}:{ROOT / 'operator'}")
+               PYTHONPATH=f"{ROOT / 'server'}:{ROOT / 'operator'}", **VARIANT_ENV.get(system, {}))
     log = open(out_dir / f"{log_name or system}.log", "w")
     proc = subprocess.Popen(server_command(system, port, args, gguf), env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -352,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="magnitude,magnitude-bf16,magnitude-int8,hf,hf-int8,llama")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
+    p.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
+                   help="passed to llama-server, e.g. --llama-arg=--no-repack (its AMX repacking of the GGUF "
+                        "crashed at load on a Xeon with AMX, 2026-12-05)")
     p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-runner"))
     p.add_argument("--budget", action="append", default=[], metavar="SYSTEM=N",
                    help="override a Magnitude variant's token budget (= prefill chunk), e.g. magnitude-int8=128; "
