@@ -104,9 +104,12 @@ def test_amx_tiles_and_avx512_bf16_multiply_the_same_operands(bf16_kernel, monke
         finally:
             assert lib.magnitude_lowbit_set_amx(1) == 1
         assert _rel(amx, avx512) < 1e-5, (m, _rel(amx, avx512))
+        assert m == 1 or not torch.equal(amx, avx512)  # other sums' order: the tiles did run
     monkeypatch.setenv(lowbit.AMX_ENV, "yes")
     with pytest.raises(lowbit.LowbitKernelError, match="MAGNITUDE_LOWBIT_AMX='yes': expected 0 or 1"):
         lowbit.load(bf16_kernel.path)
+    with pytest.raises(lowbit.LowbitKernelError, match="MAGNITUDE_LOWBIT_AMX='yes'"):
+        lowbit.kernels()  # refused, not taken for a failed build (which would fall back to torch's)
     monkeypatch.setenv(lowbit.AMX_ENV, "0")
     try:
         off = lowbit.load(bf16_kernel.path)

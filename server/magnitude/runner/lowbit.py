@@ -64,7 +64,11 @@ class LowbitKernels:
     lib: ctypes.CDLL
     isa: str  # "avx512", "avx2" or "generic": which code path the build took
     path: Path
-    amx: bool = False  # the bf16 products run on AMX tiles (load(): MAGNITUDE_LOWBIT_AMX, the build, the OS)
+
+    @property
+    def amx(self) -> bool:
+        """Whether the bf16 products run on AMX tiles now (load(): MAGNITUDE_LOWBIT_AMX, the build, the OS)."""
+        return bool(self.lib.magnitude_lowbit_amx())
 
     @property
     def name(self) -> str:
@@ -211,6 +215,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.magnitude_to_f16.restype = None
     lib.magnitude_lowbit_set_amx.argtypes = [i32]
     lib.magnitude_lowbit_set_amx.restype = ctypes.c_int
+    lib.magnitude_lowbit_amx.argtypes = []
+    lib.magnitude_lowbit_amx.restype = ctypes.c_int
 
 
 def _cpu_identity() -> str:
@@ -284,13 +290,20 @@ def build(directory: Path | None = None, flags: tuple[str, ...] = FLAGS) -> Path
 
 def load(path: Path) -> LowbitKernels:
     """The library at `path`, its bf16 products on AMX tiles where the build has them, Linux grants
-    the tile state and MAGNITUDE_LOWBIT_AMX is not 0 (the choice is process-wide: the last load's)."""
+    the tile state and MAGNITUDE_LOWBIT_AMX is 1 or unset (0 keeps them off; anything else is
+    refused). The choice is process-wide: the last load's."""
+    choice = _amx_choice()
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    lib.magnitude_lowbit_set_amx(choice == "1")
+    return LowbitKernels(lib, lib.magnitude_lowbit_isa().decode(), path)
+
+
+def _amx_choice() -> str:
     choice = os.environ.get(AMX_ENV, "1")
     if choice not in ("0", "1"):
         raise LowbitKernelError(f"{AMX_ENV}={choice!r}: expected 0 or 1")
-    lib = ctypes.CDLL(str(path))
-    _declare(lib)
-    return LowbitKernels(lib, lib.magnitude_lowbit_isa().decode(), path, bool(lib.magnitude_lowbit_set_amx(choice == "1")))
+    return choice
 
 
 _lock = threading.Lock()
@@ -307,6 +320,7 @@ def kernels() -> LowbitKernels | None:
         raise LowbitKernelError(f"{KERNEL_ENV}={choice!r}: expected native or torch")
     if choice == "torch":
         return None
+    _amx_choice()  # a bad value is an error, not a build failure that falls back to torch's kernels
     with _lock:
         if _loaded is None and _failure is None:
             try:

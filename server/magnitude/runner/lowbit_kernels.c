@@ -529,13 +529,15 @@ int magnitude_lowbit_set_amx(int want) {
 #ifdef MAGNITUDE_AMX
     /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): the kernel's permission to use
        the tile registers, once per process (torch's oneDNN asks the same). */
-    amx_on = want && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    __atomic_store_n(&amx_on, want && syscall(SYS_arch_prctl, 0x1023, 18) == 0, __ATOMIC_RELEASE);
 #else
     (void)want;
-    amx_on = 0;
+    __atomic_store_n(&amx_on, 0, __ATOMIC_RELEASE);
 #endif
-    return amx_on;
+    return __atomic_load_n(&amx_on, __ATOMIC_ACQUIRE);
 }
+
+int magnitude_lowbit_amx(void) { return __atomic_load_n(&amx_on, __ATOMIC_ACQUIRE); }
 
 int magnitude_lowbit_bf16(void) {
 #ifdef __AVX512BF16__
@@ -704,15 +706,17 @@ typedef struct {
 } bf16_scratch;
 
 static int bf16_scratch_alloc(bf16_scratch *s, int64_t m, int64_t widest) {
-    const int64_t G = widest / 32, tiles = amx_on ? 2 : 1;
+    /* One read: the sizes and the pairs pointer must agree even if the switch moves meanwhile. */
+    const int amx = __atomic_load_n(&amx_on, __ATOMIC_ACQUIRE);
+    const int64_t G = widest / 32, tiles = amx ? 2 : 1;
 #ifdef MAGNITUDE_AMX
-    const int64_t held = amx_on ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m;
+    const int64_t held = amx ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m;
 #else
     const int64_t held = m;
 #endif
     s->xb = aligned_alloc(64, (size_t)(held * G + tiles * BF16_CHANNELS * G) * sizeof(__m512bh));
     s->tile = s->xb ? s->xb + held * G : 0;
-    s->pairs = s->tile && amx_on ? (__m512i *)(s->tile + BF16_CHANNELS * G) : 0;
+    s->pairs = s->tile && amx ? (__m512i *)(s->tile + BF16_CHANNELS * G) : 0;
     s->rows = malloc((size_t)(m > 0 ? m : 1) * sizeof(int64_t));
     return s->xb && s->rows;
 }
