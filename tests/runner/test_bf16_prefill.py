@@ -118,6 +118,24 @@ def test_amx_tiles_and_avx512_bf16_multiply_the_same_operands(bf16_kernel, monke
         assert lib.magnitude_lowbit_set_amx(1) == 1
 
 
+def test_only_the_method_that_runs_the_bf16_products_is_keyed_by_the_amx_switch(bf16_kernel, monkeypatch):
+    """Records and step-cost tables are keyed by `kernel_description(method)`: flipping
+    MAGNITUDE_LOWBIT_AMX gives w4a16-bf16prefill other keys (its prompt products change) and leaves
+    w4a16's and w4a8's alone (theirs do not), so a flip does not re-measure them."""
+    if not bf16_kernel.amx:
+        pytest.skip(f"no AMX tiles here: {bf16_kernel.name} on {isa_description()}")
+    monkeypatch.delenv(lowbit.KERNEL_ENV, raising=False)
+    on = {m: kernel_description(m) for m in ("w4a16", "w4a8", "w4a16-bf16prefill")}
+    assert "-amx build" in on["w4a16-bf16prefill"] and "-amx" not in on["w4a16"] + on["w4a8"]
+    try:
+        assert bf16_kernel.lib.magnitude_lowbit_set_amx(0) == 0
+        off = {m: kernel_description(m) for m in on}
+    finally:
+        assert bf16_kernel.lib.magnitude_lowbit_set_amx(1) == 1
+    assert off["w4a16"] == on["w4a16"] and off["w4a8"] == on["w4a8"]
+    assert off["w4a16-bf16prefill"] != on["w4a16-bf16prefill"]
+
+
 def test_the_linear_multiplies_the_marked_rows_of_the_step_in_bf16(bf16_kernel):
     """Int4WeightOnlyLinear("bf16prefill") takes the rows `lowbit.bf16_rows` marks for a product of
     that many rows; outside such a block, or for a product of another row count, it is w4a16."""

@@ -17,7 +17,8 @@ means torch's kernels, logged once. `MAGNITUDE_LOWBIT_KERNEL=torch` keeps torch'
 `=native` makes a missing build an error (tests compare the two). On a CPU with AMX (built with
 `-march=native`, Linux granting the tile state) w4a16-bf16prefill's bf16 products run on AMX tiles;
 `MAGNITUDE_LOWBIT_AMX=0` keeps them on AVX512-BF16 (the same operands, other sums' order; the
-kernels' name, in cache keys and records, says `-amx`).
+kernels' name says `-amx`, and so do the cache keys and records of w4a16-bf16prefill, the only method
+whose products change with it: `describe(bf16_products=False)` leaves it out for the others).
 """
 
 from __future__ import annotations
@@ -333,11 +334,16 @@ def kernels() -> LowbitKernels | None:
         return _loaded
 
 
-def describe() -> str:
+def describe(bf16_products: bool = True) -> str:
     """Which kernels low-bit weights run on, for logs, cache keys and test output: Magnitude's with
     their build's key (source, compiler, flags, CPU), so a quantization record or step-cost table
-    measured on other kernel code is not reused; or torch's, and why."""
+    measured on other kernel code is not reused; or torch's, and why. `bf16_products=False` (a
+    method that never runs them) leaves out whether they are on AMX tiles: that method's products
+    are the same either way, so its records and tables stay valid when MAGNITUDE_LOWBIT_AMX flips."""
     if os.environ.get(KERNEL_ENV) == "torch":
         return f"torch ({KERNEL_ENV}=torch)"
     k = kernels()
-    return f"{k.name} build {k.path.stem.removeprefix('lowbit-')[:12]}" if k is not None else f"torch ({_failure})"
+    if k is None:
+        return f"torch ({_failure})"
+    name = k.name if bf16_products else k.name.removesuffix("-amx")
+    return f"{name} build {k.path.stem.removeprefix('lowbit-')[:12]}"

@@ -506,8 +506,10 @@ static void int4q8_rows(const int8_t *q, const float *d, const float *s, int m, 
    rows of SmolLM2's shapes, one EPYC Zen 4 thread, a C harness: 177-191 GFLOP/s against 60 for the
    fp32 pass, relative error of the sums 2.2e-3 on random data). Each (row, channel) sum runs over the
    groups in order in one accumulator, then _mm512_reduce_add_ps: a row's result depends on its own
-   input only, not on which rows share its pass, its step or the thread count. Rows not marked go
-   through int4_rows, exact as in w4a16. */
+   input only, not on which rows share its pass, its step or the thread count. Where the CPU also has
+   AMX and lowbit.py turned it on, int4_bf16_rows_amx (below) multiplies the same operands on tiles
+   instead; only the order of the fp32 sums differs. Rows not marked go through int4_rows, exact as
+   in w4a16. */
 #define BF16_CHANNELS 16
 #define BF16_ROWS 8
 

@@ -121,12 +121,14 @@ LOWBIT_METHODS = ("w4a16", "w4a8", "w4a16-bf16prefill", "w8a16")
 
 def kernel_description(method: str) -> str:
     """`isa_description()` plus, for the weight-only methods, which low-bit kernels they run on
-    (runner/lowbit.py: Magnitude's build for this CPU, or torch's): their numerics and speed differ."""
+    (runner/lowbit.py: Magnitude's build for this CPU, or torch's): their numerics and speed differ.
+    Whether the bf16 products run on AMX tiles is named for w4a16-bf16prefill only, the one method
+    that runs them."""
     if method not in LOWBIT_METHODS:
         return isa_description()
     from magnitude.runner import lowbit
 
-    return f"{isa_description()} lowbit={lowbit.describe()}"
+    return f"{isa_description()} lowbit={lowbit.describe(bf16_products=method == 'w4a16-bf16prefill')}"
 
 
 @dataclass(slots=True)
