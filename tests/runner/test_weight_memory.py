@@ -5,7 +5,9 @@ linear's weight pages are unmapped after each call and it still computes the sam
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import re
 import sys
 from pathlib import Path
 
@@ -127,16 +129,17 @@ def test_a_linear_inside_released_after_use_gives_its_pages_back_after_each_call
     assert _resident_kib(path) >= 4000  # outside it, a call leaves its pages resident
 
 
-def _gpu_library_clean_kib() -> tuple[int, dict[str, tuple[int, int]]]:
-    """Resident clean (file-backed, unwritten) KiB of the CUDA libraries' mappings, and the readable
-    mappings' ranges by library."""
+def _gpu_library_clean_kib(pattern: re.Pattern[str] | None = None) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Resident clean (file-backed, unwritten) KiB of the mappings of the libraries `pattern` finds
+    (the CUDA libraries by default), and the readable mappings' ranges by library."""
     from magnitude.runner.file_pages import GPU_LIBRARY
 
+    pattern = pattern or GPU_LIBRARY
     total, inside, readable = 0, False, {}
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if fields and "-" in fields[0] and not fields[0].endswith(":"):
-            inside = len(fields) >= 6 and bool(GPU_LIBRARY.search(fields[5]))
+            inside = len(fields) >= 6 and bool(pattern.search(fields[5]))
             if inside and fields[1].startswith("r"):
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 name = Path(fields[5]).name
@@ -150,8 +153,6 @@ def _gpu_library_clean_kib() -> tuple[int, dict[str, tuple[int, int]]]:
 def test_a_cpu_process_gives_back_the_cuda_libraries_pages_and_still_computes():
     """torch's CUDA wheel maps CUDA's libraries at import; a CPU runner asks their pages back
     (`page_out_gpu_libraries`, called by ModelRunner on the CPU), and CPU work is unaffected."""
-    import ctypes
-
     from magnitude.runner.file_pages import page_out_gpu_libraries
 
     _, readable = _gpu_library_clean_kib()
@@ -168,3 +169,39 @@ def test_a_cpu_process_gives_back_the_cuda_libraries_pages_and_still_computes():
     assert after < before / 4
     a = torch.arange(12.0).reshape(3, 4)
     assert torch.equal(a @ a.t(), torch.tensor([[14.0, 38.0, 62.0], [38.0, 126.0, 214.0], [62.0, 214.0, 366.0]]))
+
+
+@pytest.mark.model
+def test_a_serving_runner_gives_back_its_libraries_start_up_pages_and_generates_the_same(tmp_path):
+    """`ModelRunner(page_out_libraries=True)`, what `magnitude serve` builds on the CPU, asks back
+    the read-only pages of every shared library once the weights are loaded: torch's CPU library,
+    read whole before, is mostly not resident after; then the warm-up and the steps map back what
+    they run, and it generates what a runner without it generates."""
+    from magnitude.engine.sampling import SamplingParams
+    from magnitude.runner import ModelRunner
+    from magnitude.runner.file_pages import SHARED_LIBRARY
+
+    from .conftest import drive_scheduler
+    from .tiny_models import build_tiny_model
+
+    torch_cpu = re.compile(r"/libtorch_cpu\.so$")
+    path = build_tiny_model("llama", tmp_path / "tiny")
+    plain = ModelRunner(str(path), device="cpu", dtype="float32", num_blocks=32, seed=0, num_threads=1)
+    _, readable = _gpu_library_clean_kib(torch_cpu)
+    if not readable:
+        pytest.skip("torch's CPU library is not mapped under the name libtorch_cpu.so here")
+    lo, hi = readable["libtorch_cpu.so"]
+    for start in range(lo, hi, 16 << 20):  # its largest readable mapping, resident now whatever ran before
+        ctypes.string_at(start, min(hi - start, 16 << 20))
+    before, _ = _gpu_library_clean_kib(torch_cpu)
+    all_before, _ = _gpu_library_clean_kib(SHARED_LIBRARY)
+    serving = ModelRunner(str(path), device="cpu", dtype="float32", num_blocks=32, seed=0, num_threads=1,
+                          warmup=False, page_out_libraries=True)
+    after, _ = _gpu_library_clean_kib(torch_cpu)
+    all_after, _ = _gpu_library_clean_kib(SHARED_LIBRARY)
+    print(f"\nlibtorch_cpu.so: {before} KiB of clean pages resident before the serving runner's load, {after} after; "
+          f"every shared library: {all_before} -> {all_after} KiB")
+    assert before >= 16384 and after < before / 4
+    prompts = [[1, 5, 9, 13, 17, 21], [1, 7, 3]]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    assert drive_scheduler(serving, prompts, greedy).outputs == drive_scheduler(plain, prompts, greedy).outputs

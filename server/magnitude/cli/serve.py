@@ -272,6 +272,7 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
                 num_swap_blocks=config.kv_cache.swap_blocks,
                 memory_fraction=config.kv_cache.memory_fraction,
                 kv_cache_dtype=config.kv_cache.dtype,
+                page_out_libraries=True,  # the runner does it on the CPU only
                 progress=progress,
                 draft_proposer=NgramProposer() if config.draft_model is not None and config.draft_model.method == "ngram"
                 else None,

@@ -1,6 +1,6 @@
-"""Give back the resident pages of the checkpoint that quantized weights no longer read and of
-CUDA libraries a CPU process never runs (Linux), and the heap's free pages once loading is over
-(glibc).
+"""Give back the resident pages of the checkpoint that quantized weights no longer read, of
+CUDA libraries a CPU process never runs and of library code only start-up ran (Linux), and the
+heap's free pages once loading is over (glibc).
 
 Loading maps the safetensors file privately and every parameter is a view of that mapping, so a
 page stays resident from its first read until the whole mapping goes. Quantizing reads each
@@ -33,6 +33,11 @@ the dynamic loader touched (about 150 MiB resident with torch 2.15 + CUDA 13); a
 never executes them, so it asks for them back the same way (a page read later comes back from the
 file).
 
+`page_out_shared_libraries()`: importing torch, transformers and the server, and loading, run code
+from every shared library (torch's CPU library alone: ~63 MiB resident at ready), much of which
+serving never runs again; `magnitude serve` asks for all of their read-only pages back once loading
+is over, and the warm-up that follows maps back what a step runs.
+
 `trim_heap()`: loading and converting free hundreds of MiB in allocations glibc keeps in its
 arenas (SmolLM2 w4a16: 92 MiB of the resident set); `malloc_trim(0)` returns their free pages to
 the kernel. Elsewhere than glibc it does nothing.
@@ -46,7 +51,7 @@ import ctypes.util
 import functools
 import mmap
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -61,6 +66,7 @@ _PM_SWAPPED = 1 << 62
 _PM_FILE_OR_SHARED = 1 << 61
 # CUDA's own libraries and torch's CUDA parts, as torch's CUDA wheels ship them (nvidia-* packages), and
 # Triton's compiler (a GPU kernel compiler torch imports with its inductor: ~66 MiB resident, never run here).
+SHARED_LIBRARY = re.compile(r"\.so(\.[0-9]+)*$")
 GPU_LIBRARY = re.compile(r"/lib(cublas|cudnn|cufft|curand|cusolver|cusparse|cufile|cupti|cudart|nccl|nvJitLink|nvrtc"
                          r"|nvshmem|nvToolsExt|torch_cuda|c10_cuda|triton)[^/]*\.so[^/]*$")
 
@@ -202,11 +208,9 @@ def drop_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
     return span[1] - span[0]
 
 
-def page_out_gpu_libraries() -> int:
-    """Ask back the resident pages of the CUDA libraries mapped into this process (GPU_LIBRARY), for
-    a process that computes on the CPU only; returns the bytes of the mappings asked for (0 where
-    none is mapped, off Linux, or where the kernel refuses). Nothing is lost: a page read again
-    comes back from its file, a page the loader wrote is private memory and stays."""
+def _page_out_mappings(wanted: Callable[[str, str], bool]) -> int:
+    """MADV_PAGEOUT every mapping of this process for which `wanted(permissions, path)` holds;
+    returns the bytes of the mappings asked for (0 off Linux or where the kernel refuses)."""
     try:
         lines = _MAPS.read_text().splitlines()
     except OSError:
@@ -217,9 +221,28 @@ def page_out_gpu_libraries() -> int:
     asked = 0
     for line in lines:
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and GPU_LIBRARY.search(fields[5].strip()):
+        if len(fields) == 6 and wanted(fields[1], fields[5].strip()):
             start, _, end = fields[0].partition("-")
             lo, hi = int(start, 16), int(end, 16)
             if madvise(lo, hi - lo, _MADV_PAGEOUT) == 0:
                 asked += hi - lo
     return asked
+
+
+def page_out_gpu_libraries() -> int:
+    """Ask back the resident pages of the CUDA libraries mapped into this process (GPU_LIBRARY), for
+    a process that computes on the CPU only; returns the bytes of the mappings asked for (0 where
+    none is mapped, off Linux, or where the kernel refuses). Nothing is lost: a page read again
+    comes back from its file, a page the loader wrote is private memory and stays."""
+    return _page_out_mappings(lambda _perms, path: bool(GPU_LIBRARY.search(path)))
+
+
+def page_out_shared_libraries() -> int:
+    """Ask back the resident pages of every shared library's read-only mappings (code and
+    constants), once loading is over and before the warm-up: importing and loading ran code that
+    serving never runs again (SmolLM2 on the CPU: ~116 MiB of library pages resident at ready, ~45
+    after serving traffic with them asked back first), and the warm-up maps back what a step runs.
+    A page shared with another process is skipped by the kernel; a page the loader wrote (a
+    relocated constant) is private memory and stays; any other comes back from its file when read
+    again, a one-time fault. Returns the bytes of the mappings asked for."""
+    return _page_out_mappings(lambda perms, path: "w" not in perms and bool(SHARED_LIBRARY.search(path)))

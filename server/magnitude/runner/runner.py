@@ -36,7 +36,8 @@ from magnitude.runner.attention import ATTN_IMPLEMENTATION, SeqSlice, build_page
 from magnitude.runner.constraints import advance_constraint, advance_through_drafts, can_draft, settle_drafts
 from magnitude.runner.defaults import choose_kv_cache_dtype
 from magnitude.runner.draft_model import DraftModelProposer, kv_shape, load_draft
-from magnitude.runner.file_pages import page_out_gpu_libraries, released_after_use, trim_heap
+from magnitude.runner.file_pages import (page_out_gpu_libraries, page_out_shared_libraries, released_after_use,
+                                         trim_heap)
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.paged_decoder import paged_decoder
@@ -106,6 +107,7 @@ class ModelRunner:
         draft_source: str | None = None,
         draft_quantization: str = "none",
         kv_cache_dtype: str = "auto",
+        page_out_libraries: bool = False,
     ) -> None:
         """`record_cache`: where quantization evaluation records are kept across restarts (None:
         measure on every load). `evaluate_quantization=False` skips the evaluation (tests of the
@@ -116,7 +118,11 @@ class ModelRunner:
         target's bytes plus the draft's, and memoryFraction sizes the pool from their sum;
         `draft_quantization` (w8a16, w8a8) quantizes a loaded draft's linears. `kv_cache_dtype`
         (`kvCache.dtype`): the KV pool's, `auto` resolved by runner/defaults.py from the device and
-        the quantization."""
+        the quantization. `page_out_libraries` (`magnitude serve` on the CPU): once the weights are
+        loaded and quantized, and before the warm-up, ask back the pages of the shared libraries'
+        code that start-up ran (file_pages.page_out_shared_libraries); the warm-up maps back what a
+        step runs. Off by default: a runner inside a test or another program leaves its host's pages
+        alone."""
         if draft_source is not None and draft_proposer is not None:
             raise ValueError("give a draft_source or a draft_proposer, not both")
         if block_size < 1:
@@ -182,6 +188,8 @@ class ModelRunner:
         drafter = self._draft_model()
         if drafter is not None:
             drafter.follow_target()
+        if page_out_libraries and self.device.type == "cpu":
+            page_out_shared_libraries()
         if warmup:
             self._warmup(report)
         self.release_kv_pages()
