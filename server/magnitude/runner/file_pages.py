@@ -36,7 +36,9 @@ file).
 `page_out_shared_libraries()`: importing torch, transformers and the server, and loading, run code
 from every shared library (torch's CPU library alone: ~63 MiB resident at ready), much of which
 serving never runs again; `magnitude serve` asks for all of their read-only pages back once loading
-is over, and the warm-up that follows maps back what a step runs.
+is over, and the warm-up that follows maps back what a step runs. Both this and
+`page_out_gpu_libraries` take effect only for library files the process owns or may write (the
+kernel's rule for paging out a file's pages).
 
 `trim_heap()`: loading and converting free hundreds of MiB in allocations glibc keeps in its
 arenas (SmolLM2 w4a16: 92 MiB of the resident set); `malloc_trim(0)` returns their free pages to
@@ -64,9 +66,10 @@ _PAGEMAP = Path("/proc/self/pagemap")
 # bit 63, present, is read as the sign.
 _PM_SWAPPED = 1 << 62
 _PM_FILE_OR_SHARED = 1 << 61
+# Any shared library or extension module, by the name it is mapped under.
+SHARED_LIBRARY = re.compile(r"\.so(\.[0-9]+)*$")
 # CUDA's own libraries and torch's CUDA parts, as torch's CUDA wheels ship them (nvidia-* packages), and
 # Triton's compiler (a GPU kernel compiler torch imports with its inductor: ~66 MiB resident, never run here).
-SHARED_LIBRARY = re.compile(r"\.so(\.[0-9]+)*$")
 GPU_LIBRARY = re.compile(r"/lib(cublas|cudnn|cufft|curand|cusolver|cusparse|cufile|cupti|cudart|nccl|nvJitLink|nvrtc"
                          r"|nvshmem|nvToolsExt|torch_cuda|c10_cuda|triton)[^/]*\.so[^/]*$")
 
@@ -233,16 +236,21 @@ def page_out_gpu_libraries() -> int:
     """Ask back the resident pages of the CUDA libraries mapped into this process (GPU_LIBRARY), for
     a process that computes on the CPU only; returns the bytes of the mappings asked for (0 where
     none is mapped, off Linux, or where the kernel refuses). Nothing is lost: a page read again
-    comes back from its file, a page the loader wrote is private memory and stays."""
+    comes back from its file; a page the loader wrote is private memory and stays (or goes to swap,
+    where there is any). See page_out_shared_libraries for whose files the kernel pages out."""
     return _page_out_mappings(lambda _perms, path: bool(GPU_LIBRARY.search(path)))
 
 
 def page_out_shared_libraries() -> int:
     """Ask back the resident pages of every shared library's read-only mappings (code and
     constants), once loading is over and before the warm-up: importing and loading ran code that
-    serving never runs again (SmolLM2 on the CPU: ~116 MiB of library pages resident at ready, ~45
-    after serving traffic with them asked back first), and the warm-up maps back what a step runs.
-    A page shared with another process is skipped by the kernel; a page the loader wrote (a
-    relocated constant) is private memory and stays; any other comes back from its file when read
-    again, a one-time fault. Returns the bytes of the mappings asked for."""
+    serving never runs again (`magnitude serve`, SmolLM2 on the CPU: 116 MiB of file pages resident at
+    ready without this, 36 with it, 45 after serving traffic), and the warm-up maps back what a step
+    runs.
+    The kernel pages out a file's pages only for a process that owns the file or may write it
+    (Linux's rule for MADV_PAGEOUT), and skips a page another process maps too: where the libraries
+    belong to another user (an image that installs them as root and runs as another user), their
+    pages stay. A page the loader wrote (a relocated constant) is private memory and stays, or goes
+    to swap where there is any; any other comes back from its file when read again, a one-time
+    fault. Returns the bytes of the mappings asked for."""
     return _page_out_mappings(lambda perms, path: "w" not in perms and bool(SHARED_LIBRARY.search(path)))
