@@ -74,23 +74,27 @@ GPU_LIBRARY = re.compile(r"/lib(cublas|cudnn|cufft|curand|cusolver|cusparse|cufi
                          r"|nvshmem|nvToolsExt|torch_cuda|c10_cuda|triton)[^/]*\.so[^/]*$")
 
 
-def file_backed_ranges() -> list[tuple[int, int]]:
-    """[start, end) of every mapping of a regular file in this process (empty elsewhere than Linux)."""
+def _mappings() -> Iterator[tuple[int, int, str, str, str]]:
+    """(start, end, permissions, inode, path) of every mapping with a path in /proc/self/maps
+    (nothing elsewhere than Linux)."""
     try:
         lines = _MAPS.read_text().splitlines()
     except OSError:
-        return []
-    ranges = []
+        return
     for line in lines:
         fields = line.split(maxsplit=5)
-        # A path and a nonzero inode: a regular file (not [heap], not a /dev/zero mapping).
-        if len(fields) == 6 and fields[5].startswith("/") and fields[4] != "0" and not fields[5].startswith("/dev/"):
+        if len(fields) == 6:
             start, _, end = fields[0].partition("-")
-            ranges.append((int(start, 16), int(end, 16)))
-    return ranges
+            yield int(start, 16), int(end, 16), fields[1], fields[4], fields[5].strip()
 
 
-@functools.cache  # find_library runs ldconfig: once per process
+def file_backed_ranges() -> list[tuple[int, int]]:
+    """[start, end) of every mapping of a regular file in this process (empty elsewhere than Linux)."""
+    # A path and a nonzero inode: a regular file (not [heap], not a /dev/zero mapping).
+    return [(lo, hi) for lo, hi, _perms, inode, path in _mappings()
+            if path.startswith("/") and inode != "0" and not path.startswith("/dev/")]
+
+
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     return None if name is None else ctypes.CDLL(name, use_errno=True)
@@ -214,22 +218,11 @@ def drop_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
 def _page_out_mappings(wanted: Callable[[str, str], bool]) -> int:
     """MADV_PAGEOUT every mapping of this process for which `wanted(permissions, path)` holds;
     returns the bytes of the mappings asked for (0 off Linux or where the kernel refuses)."""
-    try:
-        lines = _MAPS.read_text().splitlines()
-    except OSError:
-        return 0
     madvise = _madvise()
     if madvise is None:
         return 0
-    asked = 0
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and wanted(fields[1], fields[5].strip()):
-            start, _, end = fields[0].partition("-")
-            lo, hi = int(start, 16), int(end, 16)
-            if madvise(lo, hi - lo, _MADV_PAGEOUT) == 0:
-                asked += hi - lo
-    return asked
+    return sum(hi - lo for lo, hi, perms, _inode, path in _mappings()
+               if wanted(perms, path) and madvise(lo, hi - lo, _MADV_PAGEOUT) == 0)
 
 
 def page_out_gpu_libraries() -> int:
