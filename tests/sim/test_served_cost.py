@@ -238,13 +238,13 @@ def test_limits_follow_served_steps_once_enough_are_judged() -> None:
     table = derive_scheduler_limits(sp, PROPORTIONAL)
     # Raised for the decodes to 96 tokens (the next candidate), the whole step, within reading pace.
     assert table == SchedulerLimits(96, 96, 104.0, "derived")
-    # Until SERVED_DERIVE_STEPS served steps are judged, the table (a few steps say little).
-    young = ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS - 1, 0.008)
+    # Until SERVED_MIN_STEPS served steps are judged (the line is fitted), the table (a few steps say little).
+    young = ServedCost(PROPORTIONAL, 1.0, SERVED_MIN_STEPS - 1, 0.008)
     assert derivation_model(young) is PROPORTIONAL and derive_scheduler_limits(sp, young) == table
     # Then each served step pays 8 ms the table left out: beside 8 decodes (16 ms a step) 90% of the
     # rate takes 144+ tokens (the candidates: 192; reading pace allows 128), and the target is that
     # step beside 8 decodes as served.
-    served = ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS, 0.008)
+    served = ServedCost(PROPORTIONAL, 1.0, SERVED_MIN_STEPS, 0.008)
     assert derivation_model(served) is served
     assert derive_scheduler_limits(sp, served) == SchedulerLimits(128, 128, 144.0, "derived")
     # A scale alone stretches the steps' time: 96 tokens beside 8 decodes (208 ms) is past reading
@@ -266,20 +266,20 @@ def test_a_replay_of_served_times_follows_them_as_the_engine_did() -> None:
            "meta": {"servedOverPredicted": 1.0, "servedFixedSeconds": 0.008, "servedSteps": 600}}
     result = simulate(documents(), resolve_config(None, []), cost_model_from_document(doc))
     assert result.config.scheduler.itl_target_ms == 104.0  # the table's, as the engine started
-    # The table's limits, run at the served times, miss their own target until SERVED_MIN_STEPS judged
-    # steps have taught the replay the fixed 8 ms; from then on the steps are bounded by the served
-    # line, and the table's target holds too (a derived target is a promise, as an explicit one is).
-    # After SERVED_DERIVE_STEPS judged steps, the limits the served line derives (128 / 128 / 144 ms
-    # from the line itself, test above), and no decoding step over that target.
+    # The table's limits run while the replay learns the fixed 8 ms (its steps bounded by the table's
+    # 104 ms target). Once SERVED_MIN_STEPS steps are judged (the first decoding step is not: nothing
+    # ran before it) the line is fitted and the limits are derived from it (128 / 128 / 144 ms from
+    # the line itself, test above), once: the steps after it are the bigger ones that line finds
+    # efficient, and none over the new target.
     [(changed_at, limits)] = result.limits_changes
     assert build_report(result)["limits_changes"] == [{"t": changed_at, **limits.to_document()}]
     assert limits.itl_target_ms == pytest.approx(144.0, abs=2.0) and limits.prefill_chunk_size > 96
     before = [s for s in decoding_steps(result) if s.t < changed_at]
     after = [s for s in decoding_steps(result) if s.t >= changed_at]
-    assert max(s.duration for s in before[:SERVED_MIN_STEPS]) > 0.104
-    late = before[2 * SERVED_MIN_STEPS:]
-    assert len(late) > 20 and max(s.duration for s in late) <= 0.104 + 1e-9
-    assert len(after) > 30 and max(s.duration for s in after) <= limits.itl_target_ms / 1000.0 + 1e-9
+    assert len(before) == SERVED_MIN_STEPS + 1
+    assert max(s.duration for s in before) <= 0.104 + 1e-9
+    assert len(after) > 30 and max(s.duration for s in after) > 0.104
+    assert max(s.duration for s in after) <= limits.itl_target_ms / 1000.0 + 1e-9
     # A table without a served line: its steps take the table's times, and the limits stay.
     plain = simulate(documents(), resolve_config(None, []), PROPORTIONAL)
     assert plain.limits_changes == [] and plain.config.scheduler.itl_target_ms == 104.0
@@ -440,8 +440,8 @@ def test_a_derived_target_carries_the_margin_on_the_same_steps() -> None:
     assert (with_margin.token_budget, with_margin.prefill_chunk_size) == (128, 128)
     assert with_margin.itl_target_ms == pytest.approx(144.0 * 1.3, abs=0.1)
     assert bound.seconds_for(8, 128) * 1000.0 <= with_margin.itl_target_ms + 1e-9
-    # Before SERVED_DERIVE_STEPS judged steps the table, with no margin.
-    young = ServedBound(ServedCost(PROPORTIONAL, 1.0, SERVED_DERIVE_STEPS - 1, 0.008, margin=0.3))
+    # Before SERVED_MIN_STEPS judged steps the table, with no margin.
+    young = ServedBound(ServedCost(PROPORTIONAL, 1.0, SERVED_MIN_STEPS - 1, 0.008, margin=0.3))
     assert derivation_model(young) is PROPORTIONAL
 
 

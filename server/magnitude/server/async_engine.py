@@ -575,8 +575,8 @@ class AsyncEngine:
 
     def _observe_served_step(self, plan: StepPlan | None, output: RunnerOutput | None, stats: StepStats) -> None:
         """Judge the step against the table and, when the follower derives new limits from served
-        steps (sim/served_limits.py: every SERVED_DERIVE_STEPS judged steps, null limits only), hand
-        them to the scheduler."""
+        steps (sim/served_limits.py: at SERVED_MIN_STEPS judged steps, then every SERVED_DERIVE_STEPS
+        more; null limits only), hand them to the scheduler."""
         assert self.limits_follower is not None
         decoding = plan is not None and output is not None and stats.num_decode > 0
         change = self.limits_follower.after_step(plan, stats.t - stats.duration_s, decoding)

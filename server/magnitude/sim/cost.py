@@ -242,8 +242,13 @@ SERVED_MIN_PREDICTED_S = 1e-3
 # 186-214 ms against 149-150 ms predicted (served steps 1.27x the table); from the line on, 130-150 ms.
 SERVED_EARLY_STEPS = 4
 SERVED_MIN_STEPS = 16
-# Served steps judged before null limits are derived from served step times (derivation_model),
-# and how many more before they are derived again (sim/served_limits.py LimitsFollower).
+# Null limits are derived from served step times (derivation_model) as soon as the line is fitted,
+# at SERVED_MIN_STEPS judged steps, and again every SERVED_DERIVE_STEPS more (sim/served_limits.py
+# LimitsFollower). The bound follows the served line from then on, so a target derived from the table
+# must not outlive it: bf16 on two AMX Xeon cores served 24 decodes at 164 ms against the table's
+# 105, and until the 64th judged step (the first derivation then) the table's 194.6 ms target left
+# the mixed trace's prompt chunks a few dozen tokens: 0.77 of the best budget's throughput
+# (bench/results/derived_defaults.md).
 SERVED_DERIVE_STEPS = 64
 
 
@@ -257,7 +262,7 @@ class ServedCost:
     `meta.servedNoiseMargin`: see SERVED_MARGIN_QUANTILE), which the scheduler's bound adds
     (ServedBound), and when that margin moved (`margin_history`, `meta.servedMarginHistory`: see
     SERVED_MARGIN_HISTORY). The table itself (`model`) stays what the calibration measured; null limits are
-    derived from the served times once SERVED_DERIVE_STEPS steps are judged (derivation_model), from
+    derived from the served times once SERVED_MIN_STEPS steps are judged (derivation_model), from
     the table before."""
 
     def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0,
@@ -441,7 +446,7 @@ def measured_model(cost: CostModel | None) -> CostModel | None:
 
 
 def derivation_model(cost: CostModel | None) -> CostModel | None:
-    """The model null limits are derived from: served step times once SERVED_DERIVE_STEPS served
+    """The model null limits are derived from: served step times once SERVED_MIN_STEPS served
     steps have been judged (a ServedCost that learned them, or a document that carries them; a
     ServedBound on such a line, whose margin the derived target then carries), else the table as
     measured. A served step pays a fixed cost the calibration's steps did not (on two
@@ -449,7 +454,7 @@ def derivation_model(cost: CostModel | None) -> CostModel | None:
     take steps too small to be efficient as served: w4a16's table derived 30 tokens and a 31.3 ms
     target, twice budget 64's steps and 0.89 of its throughput (bench/results/derived_defaults.md)."""
     served = cost.served if isinstance(cost, ServedBound) else cost
-    if isinstance(served, ServedCost) and served.steps >= SERVED_DERIVE_STEPS:
+    if isinstance(served, ServedCost) and served.steps >= SERVED_MIN_STEPS:
         return cost
     return measured_model(cost)
 

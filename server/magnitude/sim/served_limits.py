@@ -5,7 +5,8 @@
 scheduler runs with. It starts from the limits the cost model derives (derive_scheduler_limits),
 judges every decoding step by what a running stream waited between two tokens (from one decoding
 step's start to the next's: the step, the loop's bookkeeping and the output processing after it),
-and every SERVED_DERIVE_STEPS judged steps derives null limits again from the served line; it
+and once SERVED_MIN_STEPS steps are judged (the served line is fitted), then every
+SERVED_DERIVE_STEPS judged steps more, derives null limits again from the served line; it
 reports a change when a limit moves by more than LIMITS_TOLERANCE. The scheduler bounds steps by
 the served line and a margin for its scatter throughout (`bound`, sim/cost.py ServedBound); a derived
 target carries the margin. Explicit limits never move. Pure: the caller passes the step
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 from magnitude.engine.output import StepPlan
 from magnitude.policy.schema import SchedulerPolicy
-from magnitude.sim.cost import (SERVED_DERIVE_STEPS, CostModel, SchedulerLimits, ServedBound, ServedCost, UnitCost,
+from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_MIN_STEPS, CostModel, SchedulerLimits, ServedBound, ServedCost, UnitCost,
                                 derive_scheduler_limits, limits_moved, margin_at, measured_model, plan_shape)
 
 
@@ -74,7 +75,8 @@ class LimitsFollower:
             self.bound.margin_floor = margin_at(self.margin_history, start)
         self._previous = (served.model.step_seconds(plan), start, plan_shape(plan, 0)[0]) \
             if decoding and plan is not None else None
-        if served.steps - self._derived_at < SERVED_DERIVE_STEPS:
+        due = SERVED_MIN_STEPS if self._derived_at == 0 else self._derived_at + SERVED_DERIVE_STEPS
+        if served.steps < due:
             return None
         self._derived_at = served.steps
         old = self.limits
