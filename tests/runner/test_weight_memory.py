@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from magnitude.runner.file_pages import (  # noqa: E402
-    drop_pages, file_backed_ranges, released_after_use, unmap_clean_pages)
+    GPU_LIBRARY, drop_pages, file_backed_ranges, released_after_use, unmap_clean_pages)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 
@@ -133,8 +133,6 @@ def test_a_linear_inside_released_after_use_gives_its_pages_back_after_each_call
 def _library_clean_kib(pattern: re.Pattern[str] | None = None) -> tuple[int, dict[str, tuple[int, int]]]:
     """Resident clean (file-backed, unwritten) KiB of the mappings of the libraries `pattern` finds
     (the CUDA libraries by default), and the readable mappings' ranges by library."""
-    from magnitude.runner.file_pages import GPU_LIBRARY
-
     pattern = pattern or GPU_LIBRARY
     total, inside, readable = 0, False, {}
     for line in Path("/proc/self/smaps").read_text().splitlines():
@@ -151,6 +149,20 @@ def _library_clean_kib(pattern: re.Pattern[str] | None = None) -> tuple[int, dic
     return total, readable
 
 
+def _skip_unless_the_kernel_pages_out(pattern: re.Pattern[str]) -> None:
+    """Skip where a mapped library `pattern` finds belongs to another user and is not writable here:
+    Linux pages a file's pages out only for a process that owns the file or may write it (see
+    page_out_shared_libraries)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not pattern.search(fields[5]):
+            continue
+        library = Path(fields[5])
+        if library.stat().st_uid != os.geteuid() and not os.access(library, os.W_OK):
+            pytest.skip(f"{library} belongs to uid {library.stat().st_uid}, not this process's {os.geteuid()}, "
+                        "and is not writable here: the kernel would not page it out")
+
+
 def test_a_cpu_process_gives_back_the_cuda_libraries_pages_and_still_computes():
     """torch's CUDA wheel maps CUDA's libraries at import; a CPU runner asks their pages back
     (`page_out_gpu_libraries`, called by ModelRunner on the CPU), and CPU work is unaffected."""
@@ -159,6 +171,7 @@ def test_a_cpu_process_gives_back_the_cuda_libraries_pages_and_still_computes():
     _, readable = _library_clean_kib()
     if not readable:
         pytest.skip("no CUDA library is mapped (a CPU-only torch build)")
+    _skip_unless_the_kernel_pages_out(GPU_LIBRARY)
     lo, hi = max(readable.values(), key=lambda r: r[1] - r[0])
     ctypes.string_at(lo, min(hi - lo, 8 << 20))  # read: its pages are resident now, whatever ran before
     before, _ = _library_clean_kib()
@@ -192,12 +205,7 @@ def test_a_serving_runner_gives_back_its_libraries_start_up_pages_and_generates_
     _, readable = _library_clean_kib(torch_cpu)
     if not readable:
         pytest.skip("torch's CPU library is not mapped under the name libtorch_cpu.so here")
-    library = next(Path(f.split(maxsplit=5)[5]) for f in Path("/proc/self/maps").read_text().splitlines()
-                   if f.endswith("/libtorch_cpu.so"))
-    if library.stat().st_uid != os.geteuid() and not os.access(library, os.W_OK):
-        # Linux pages a file's pages out only for a process that owns the file or may write it.
-        pytest.skip(f"{library} belongs to uid {library.stat().st_uid}, not this process's {os.geteuid()}, "
-                    "and is not writable here: the kernel would not page it out")
+    _skip_unless_the_kernel_pages_out(torch_cpu)
     lo, hi = readable["libtorch_cpu.so"]
     for start in range(lo, hi, 16 << 20):  # its largest readable mapping, resident now whatever ran before
         ctypes.string_at(start, min(hi - start, 16 << 20))
