@@ -221,7 +221,7 @@ def test_derived_limits_follow_what_served_steps_take(tmp_path: Path) -> None:
     plus a fixed cost per step, and the limits are what that served model derives (the target grows
     by the fixed cost); /readyz and /metrics say so. The explicit peer keeps its limits."""
     from magnitude.policy.load import resolve_config
-    from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SchedulerLimits, cost_model_from_document,
+    from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SchedulerLimits, ServedBound, cost_model_from_document,
                                     derive_scheduler_limits, limits_moved)
 
     cost = tmp_path / "cost.json"
@@ -260,10 +260,15 @@ def test_derived_limits_follow_what_served_steps_take(tmp_path: Path) -> None:
     meta = served["derived"]["meta"]
     # One decode a step, each twice the table's 10 ms: the table's scale and about 10 ms more a step.
     assert meta["servedOverPredicted"] == 1.0 and 0.008 <= meta["servedFixedSeconds"] <= 0.02
-    # What the served model derives (the fit moves little between the derivation and the end).
-    expected = derive_scheduler_limits(resolve_config(None, []).scheduler, cost_model_from_document(served["derived"]))
+    # What the served model derives: the document's line, bounded with its margin (a derived target
+    # carries it). Steps of one size keep the line where it is, but the margin moves with the host (on a
+    # busy one by more than the limits' tolerance between the derivation and the end), so with a margin
+    # the document's history had in force on the way.
     got = SchedulerLimits(after["tokenBudget"], after["prefillChunkSize"], after["itlTargetMs"], after["source"])
-    assert not limits_moved(expected, got), (expected, got)
+    margins = sorted({meta["servedNoiseMargin"], *(m for _, m in meta["servedMarginHistory"])})
+    candidates = [derive_scheduler_limits(resolve_config(None, []).scheduler, ServedBound(cost_model_from_document(
+        {**served["derived"], "meta": {**meta, "servedNoiseMargin": m}}))) for m in margins]
+    assert any(not limits_moved(expected, got) for expected in candidates), (margins, candidates, got)
     assert after["itlTargetMs"] >= before["itlTargetMs"] + 0.8 * 1000 * meta["servedFixedSeconds"]
     assert f'magnitude_scheduler_itl_target_seconds{{source="derived"}} {after["itlTargetMs"] / 1000}' in metrics["derived"]
     before, after = readyz["set"]
