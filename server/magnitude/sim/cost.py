@@ -247,8 +247,10 @@ SERVED_MIN_STEPS = 16
 # LimitsFollower). The bound follows the served line from then on, so a target derived from the table
 # must not outlive it: bf16 on two AMX Xeon cores served 24 decodes at 164 ms against the table's
 # 105, and until the 64th judged step (the first derivation then) the table's 194.6 ms target left
-# the mixed trace's prompt chunks a few dozen tokens: 0.77 of the best budget's throughput
-# (bench/results/derived_defaults.md).
+# the mixed trace's prompt chunks a few dozen tokens: 0.77 and 0.87 of the best budget's throughput
+# in two runs, 0.91 derived at the 16th (bench/results/derived_defaults.md). The line fitted on the
+# first 16 steps of a burst puts the decodes' share in the fixed cost (their counts do not vary);
+# the next derivation, 64 steps on, sees more shapes.
 SERVED_DERIVE_STEPS = 64
 
 
