@@ -286,7 +286,8 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
               f"{(ss / max(sn, 1)) / (es / max(en, 1)) if es else float('nan'):.3f}")
     else:
         print(f"steps: engine's not kept, sim recorded {sn} in {ss:.2f} s (mean {ss / max(sn, 1) * 1000:.1f} ms)")
-    # Both start from the table's limits and derive them again from served steps every 64 judged steps.
+    # Both start from the table's limits and derive them again from served steps at the 16th judged step
+    # and every 64 after.
     sched = replay["config"]["scheduler"]
     last = (replay.get("limits_changes") or [{k: sched.get(k) for k in ("tokenBudget", "prefillChunkSize",
                                                                          "itlTargetMs")}])[-1]

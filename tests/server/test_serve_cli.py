@@ -221,8 +221,8 @@ def test_derived_limits_follow_what_served_steps_take(tmp_path: Path) -> None:
     plus a fixed cost per step, and the limits are what that served model derives (the target grows
     by the fixed cost); /readyz and /metrics say so. The explicit peer keeps its limits."""
     from magnitude.policy.load import resolve_config
-    from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SchedulerLimits, ServedBound, cost_model_from_document,
-                                    derive_scheduler_limits, limits_moved)
+    from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_MIN_STEPS, SchedulerLimits, ServedBound,
+                                    cost_model_from_document, derive_scheduler_limits, limits_moved)
 
     cost = tmp_path / "cost.json"
     cost.write_text(json.dumps({"kind": "table", "decode_batch_sizes": [1, 64], "prefill_tokens": [1, 1000],
@@ -239,9 +239,11 @@ def test_derived_limits_follow_what_served_steps_take(tmp_path: Path) -> None:
         try:
             wait_ready(url, proc, 60)
             before = httpx.get(url + "/readyz").json()["scheduler"]
-            # One stream decodes a token a step: enough judged steps to derive again, and one more.
+            # One stream decodes a token a step: enough judged steps to derive again at the 16th and
+            # every SERVED_DERIVE_STEPS after (so the last derivation's line is the end's), and a few more.
             r = httpx.post(url + "/v1/completions", json={"model": "simulated", "prompt": "hello " * 20,
-                                                          "max_tokens": SERVED_DERIVE_STEPS + 8}, timeout=120)
+                                                          "max_tokens": SERVED_MIN_STEPS + SERVED_DERIVE_STEPS + 8},
+                           timeout=120)
             assert r.status_code == 200, r.text
             after = httpx.get(url + "/readyz").json()["scheduler"]
             metrics[name] = httpx.get(url + "/metrics").text
@@ -254,7 +256,7 @@ def test_derived_limits_follow_what_served_steps_take(tmp_path: Path) -> None:
         served[name] = doc
         print(f"\n{name}: {before} -> {after} after {meta['servedSteps']} served steps "
               f"({meta['servedFixedSeconds']} s + {meta['servedOverPredicted']} x)")
-        assert meta["servedSteps"] >= SERVED_DERIVE_STEPS
+        assert meta["servedSteps"] >= SERVED_MIN_STEPS + SERVED_DERIVE_STEPS
     before, after = readyz["derived"]
     assert before["source"] == after["source"] == "derived"
     meta = served["derived"]["meta"]
