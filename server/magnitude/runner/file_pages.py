@@ -95,6 +95,7 @@ def file_backed_ranges() -> list[tuple[int, int]]:
             if path.startswith("/") and inode != "0" and not path.startswith("/dev/")]
 
 
+@functools.cache  # find_library runs ldconfig: once per process
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     return None if name is None else ctypes.CDLL(name, use_errno=True)
