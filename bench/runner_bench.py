@@ -148,6 +148,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
 MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int | None]] = {
     "magnitude": (["--dtype", "float32"], 48),
     "magnitude-bf16": (["--dtype", "bfloat16"], 64),
+    "magnitude-bf16-torch": (["--dtype", "bfloat16"], 64),  # with VARIANT_ENV's torch kernels: no fused bf16 steps
     "magnitude-int8": (["--dtype", "float32", "--quantization", "int8"], 128),
     "magnitude-w4a16": (["--dtype", "float32", "--quantization", "w4a16"], 128),  # budget as int8: not swept
     "magnitude-default": ([], None),  # what `magnitude serve` does with nothing set
@@ -228,7 +229,8 @@ def single_stream(path: Path, url: str, report_path: Path, repeats: int = 3) -> 
     return {"single_ms_per_token": best[0] * 1000, "single_ttft": best[1],
             "single_ms_per_token_runs": [r[0] * 1000 for r in runs]}
 # Environment a variant adds to the server's.
-VARIANT_ENV: dict[str, dict[str, str]] = {"magnitude-default-noamx": {"MAGNITUDE_LOWBIT_AMX": "0"}}
+VARIANT_ENV: dict[str, dict[str, str]] = {"magnitude-default-noamx": {"MAGNITUDE_LOWBIT_AMX": "0"},
+                                           "magnitude-bf16-torch": {"MAGNITUDE_LOWBIT_KERNEL": "torch"}}
 
 
 def run_system(system: str, traces: dict[str, Path], args: argparse.Namespace, gguf: Path, out_dir: Path,

@@ -2,12 +2,14 @@
 same w4a16 (or w4a8) model and the same paged batch: decode steps at several contexts over scattered blocks,
 and a step with short chunks, per family (Llama; Mistral and Qwen2 with 8-token windows; Qwen2's q/k/v
 biases). It sums in its own order, so hidden states agree to fp32 rounding, not bit for bit; the
-K/V it writes into the pool must be the lean forward's. A row's result must not depend on the
-rows batched with it or on the thread count. Steps with a long chunk, and models it does not run,
-keep the lean forward. Tests print the CPU and kernel build."""
+K/V it writes into the pool must be the lean forward's. A bf16 model's fused step is its weights
+run in fp32: it must match the lean forward of an fp32 copy of the model, not the bf16 forward. A
+row's result must not depend on the rows batched with it or on the thread count. Steps with a long
+chunk, and models it does not run, keep the lean forward. Tests print the CPU and kernel build."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -16,11 +18,13 @@ torch = pytest.importorskip("torch")
 
 from magnitude.runner import lowbit  # noqa: E402
 from magnitude.runner.attention import SeqSlice, build_paged_batch  # noqa: E402
-from magnitude.runner.fused_decode import FUSED_MAX_CHUNK_KEYS, FUSED_MAX_CHUNK_ROWS, fused_decoder, runs_fused  # noqa: E402
+from magnitude.runner.fused_decode import (FUSED_MAX_CHUNK_KEYS, FUSED_MAX_CHUNK_ROWS,  # noqa: E402
+                                           FUSED_MAX_CHUNK_ROWS_DENSE_BF16, fused_decoder, runs_fused)
 from magnitude.runner.paged_decoder import lean_family, lean_forward, paged_decoder  # noqa: E402
 from magnitude.runner.quant_eval import kernel_description  # noqa: E402
 
 from .test_paged_decoder import BLOCK, SEQS, _runner, _step  # noqa: E402
+from .test_lowbit import avx2, kernel, native, portable  # noqa: E402,F401  (fixtures)
 from .tiny_models import build_tiny_model, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -145,6 +149,65 @@ def test_a_decode_step_over_a_float16_pool_matches_the_lean_forward(arch, head_d
     _close_caches(fused_cache, lean_cache, FP16_POOL_TOLERANCE)
 
 
+# A bf16 model's fused step against its fp32 copy: hidden states are returned in bf16 (for the
+# bf16 LM head), so they are compared after rounding the reference the same way: measured on AMX at
+# most 1.9e-6 (a value on a rounding boundary), where the bf16 forward is 1.6e-2 to 7.4e-2 away.
+BF16_ROUNDED_TOLERANCE = 1e-3
+
+
+def _bf16_against_fp32(inner, reference, runner, seqs, seed=0):
+    """(fused bf16, lean fp32 copy, lean bf16) hidden states of one decode step from the same cache
+    (the copy's prefill), and the caches the fused step and the copy's step left."""
+    gen = torch.Generator().manual_seed(seed)
+    ref = lambda *a: lean_forward(reference, lean_family(reference), *a)  # noqa: E731
+    with torch.inference_mode():
+        ref(*_step(runner, seqs, False, gen))
+        before = _pool(runner)
+        step = _step(runner, seqs, True, gen)
+        want = ref(*step).clone()
+        ref_cache = _pool(runner)
+        _restore(runner, before)
+        bf16 = lean_forward(inner, lean_family(inner), *step).clone()
+        _restore(runner, before)
+        got = paged_decoder(inner)(*step).clone()
+    return got, want, bf16, _pool(runner), ref_cache
+
+
+@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("qwen2", None), ("mistral-sliding", 64),
+                                           ("qwen2-sliding", 128)])
+def test_a_bf16_models_decode_step_is_its_weights_in_fp32(arch, head_dim, tmp_path):
+    _native_or_skip()
+    runner = _runner(_tiny(arch, tmp_path / arch, head_dim), dtype="bfloat16")
+    inner = runner.model.model
+    assert fused_decoder(inner, lean_family(inner).window) is not None
+    reference = copy.deepcopy(inner).float()  # the same bf16 weights, run in fp32
+    got, want, bf16, fused_cache, ref_cache = _bf16_against_fp32(inner, reference, runner, DECODES)
+    print(f"\n{arch} head_dim {head_dim or 16} bf16 fused vs its fp32 copy: {_rel(got, want.bfloat16()):.1e}, "
+          f"the bf16 forward {_rel(bf16, want):.1e}, on {lowbit.describe(bf16_products=False)}")
+    assert got.dtype == torch.bfloat16 and _rel(got, want.bfloat16()) < BF16_ROUNDED_TOLERANCE
+    assert _rel(bf16, want) > 10 * BF16_ROUNDED_TOLERANCE  # what rounding activations to bf16 does
+    _close_caches(fused_cache, ref_cache, TINY_TOLERANCE)  # the K/V it wrote, in fp32
+
+
+def test_a_bf16_models_step_on_every_build_and_odd_widths(kernel, tmp_path, monkeypatch):
+    """The bf16 products on the native, AVX2 and portable builds, over widths that leave a tail
+    past their vectors (hidden 72, intermediate 100) and 20 rows (passes of 4): 12 decodes and an
+    8-token chunk, against the fp32 copy."""
+    monkeypatch.setattr(lowbit, "_loaded", kernel)
+    config = tiny_config("qwen2")  # q/k/v biases
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 72, 4, 2
+    config.head_dim, config.intermediate_size = 18, 100
+    runner = _runner(build_tiny_model("qwen2", tmp_path / "q", config=config), dtype="bfloat16")
+    inner = runner.model.model
+    seqs = [([b], 3 + b, 1) for b in range(12)] + [([20, 21], 4, 8)]
+    assert fused_decoder(inner, lean_family(inner).window).choose(_step(runner, seqs, True, torch.Generator())[2])
+    got, want, bf16, fused_cache, ref_cache = _bf16_against_fp32(inner, copy.deepcopy(inner).float(), runner, seqs)
+    print(f"\n{kernel.name}: bf16 fused vs its fp32 copy {_rel(got, want.bfloat16()):.1e}, the bf16 forward "
+          f"{_rel(bf16, want):.1e}")
+    assert got.shape[0] == 20 and _rel(got, want.bfloat16()) < BF16_ROUNDED_TOLERANCE < _rel(bf16, want)
+    _close_caches(fused_cache, ref_cache, TINY_TOLERANCE)
+
+
 def test_a_pool_read_in_the_wrong_dtype_would_fail(tmp_path, monkeypatch):
     """The comparisons can fail: a step that reads an fp32 pool as halves (a dtype flag wrong on the
     way to C; the other way round would read past the pool) is far outside FP16_POOL_TOLERANCE."""
@@ -190,10 +253,11 @@ def test_a_dropped_window_would_fail(tmp_path, monkeypatch):
     assert _rel(got, want) > 1e-3
 
 
-@pytest.mark.parametrize("head_dim,quantization", [(None, "w4a16"), (64, "w4a16"), (64, "w4a8")])
-def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(head_dim, quantization, tmp_path):
+@pytest.mark.parametrize("head_dim,dtype,quantization", [(None, "float32", "w4a16"), (64, "float32", "w4a16"),
+                                                         (64, "float32", "w4a8"), (64, "bfloat16", "none")])
+def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(head_dim, dtype, quantization, tmp_path):
     _native_or_skip()
-    runner = _runner(_tiny("qwen2-sliding", tmp_path / "q", head_dim), quantization=quantization)
+    runner = _runner(_tiny("qwen2-sliding", tmp_path / "q", head_dim), dtype=dtype, quantization=quantization)
     fused = paged_decoder(runner.model.model)
     gen = torch.Generator().manual_seed(5)
     _prefill(runner, DECODES, gen)
@@ -325,10 +389,17 @@ def test_which_steps_run_fused(tmp_path):
     assert runs_fused(batch([(deep, 16), (5000, 1)]))
     assert not runs_fused(batch([(deep + 1, 16), (5, 1)]))
     assert not runs_fused(batch([(deep // 2, 16), (deep // 2, 16)]))  # two chunks count together
+    # a bf16 model's: its chunks up to FUSED_MAX_CHUNK_ROWS_DENSE_BF16 rows, decodes in any number
+    bf16 = _runner(build_tiny_model("llama", tmp_path / "b"), dtype="bfloat16")
+    _native_or_skip()
+    choose = fused_decoder(bf16.model.model, lean_family(bf16.model.model).window).choose
+    assert choose(batch([(100, 1)] * 96 + [(0, FUSED_MAX_CHUNK_ROWS_DENSE_BF16)]))
+    assert not choose(batch([(100, 1)] + [(0, FUSED_MAX_CHUNK_ROWS_DENSE_BF16 + 1)]))
 
 
 @pytest.mark.parametrize("dtype,quantization,kernel", [("float32", "none", ""), ("float32", "w8a16", ""),
-                                                       ("bfloat16", "w4a16", ""), ("float32", "w4a16", "torch")])
+                                                       ("bfloat16", "w4a16", ""), ("float32", "w4a16", "torch"),
+                                                       ("bfloat16", "none", "torch"), ("bfloat16", "w8a16", "")])
 def test_models_it_does_not_run_keep_the_lean_forward(tmp_path, monkeypatch, dtype, quantization, kernel):
     if kernel:
         monkeypatch.setenv(lowbit.KERNEL_ENV, kernel)
@@ -368,8 +439,8 @@ def test_the_rope_table_gives_the_rotary_modules_rows(tmp_path, monkeypatch):
     assert not _RopeTable(rotary).static
 
 
-def test_an_unquantized_model_never_builds_the_kernels(tmp_path, monkeypatch):
-    """paged_decoder runs for every model at load; only low-bit weights need the C build."""
+def test_an_unquantized_fp32_model_never_builds_the_kernels(tmp_path, monkeypatch):
+    """paged_decoder runs for every model at load; only low-bit and bf16 weights need the C build."""
     def no_build(*_a, **_k):
         raise AssertionError("the kernels were asked for")
 
@@ -434,6 +505,26 @@ def runner_w4a16():
 
     return ModelRunner(MODEL, device="cpu", dtype="float32", block_size=BLOCK, num_blocks=128, seed=0,
                        quantization="w4a16", evaluate_quantization=False, warmup=False)
+
+
+def test_the_real_models_bf16_decode_step(runner_w4a16):
+    """SmolLM2 in bf16 (the fp32 reference's weights rounded to bf16; the w4a16 runner's pool), fused,
+    against the same bf16 weights run in fp32 by the lean forward: 30 layers of fp32 sums in another
+    order."""
+    from magnitude.runner import ModelRunner
+
+    from .conftest import MODEL
+
+    runner = ModelRunner(MODEL, device="cpu", dtype="bfloat16", block_size=BLOCK, num_blocks=128, seed=0,
+                         evaluate_quantization=False, warmup=False)
+    inner = runner.model.model
+    reference = copy.deepcopy(inner).float()
+    seqs = [([60 + b for b in table], cached, n) for table, cached, n in DECODES]
+    got, want, bf16, fused_cache, ref_cache = _bf16_against_fp32(inner, reference, runner, seqs, seed=3)
+    print(f"\nSmolLM2 bf16 fused vs its fp32 copy: {_rel(got, want.bfloat16()):.1e}, the bf16 forward "
+          f"{_rel(bf16, want):.1e}, on {lowbit.describe(bf16_products=False)}")
+    assert _rel(got, want.bfloat16()) < BF16_ROUNDED_TOLERANCE < _rel(bf16, want)
+    _close_caches(fused_cache, ref_cache, 1e-4)
 
 
 def test_tied_embeddings_are_read_from_the_int8_heads_codes(tmp_path):

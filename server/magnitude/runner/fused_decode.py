@@ -3,19 +3,25 @@
 The lean forward (paged_decoder.py) still runs about a hundred torch operations per layer; at one to
 a few rows each is mostly framework time, and together they were two thirds of a w4a16 decode step
 at batch 1 (`bench/step_profile.py`). For a model the lean forward takes (transformers' Llama,
-Mistral, Qwen2) with fp32 activations, SiLU, and every projection in w4a16 (or every one in w4a8, or
-in w4a16-bf16prefill, whose products take the rows the runner marks in bf16) on
-Magnitude's kernels, `fused_decoder` returns a forward that runs all layers in C: RMSNorm, the fused
-q/k/v product, RoPE with the model's own cos/sin, the K/V write into the paged pool, grouped-query
-attention over each row's blocks (its sliding window, if any), the output projection, the SiLU-gated
-MLP, both residuals and the final norm; the pool may hold fp32 or float16 K/V (kvCache.dtype), the
-attention summing in fp32 either way. The embeddings and the rotary table stay in torch. It takes
-decode steps and steps whose prefill chunks attend to few enough keys (`runs_fused`); a step with
-more, where SDPA's block products win, and every other model go through the lean forward.
+Mistral, Qwen2) with SiLU, and either fp32 activations with every projection in w4a16 (or every one
+in w4a8, or in w4a16-bf16prefill, whose products take the rows the runner marks in bf16) on
+Magnitude's kernels, or bfloat16 weights throughout (every projection a plain bf16 linear, on
+Magnitude's kernels built for this process), `fused_decoder` returns a forward that runs all layers
+in C: RMSNorm, the q/k/v product, RoPE with the model's own cos/sin, the K/V write into the paged
+pool, grouped-query attention over each row's blocks (its sliding window, if any), the output
+projection, the SiLU-gated MLP, both residuals and the final norm; the pool may hold fp32 or float16
+K/V (kvCache.dtype), the attention summing in fp32 either way. The embeddings and the rotary table
+stay in torch. It takes decode steps and steps whose prefill chunks are short and attend to few
+enough keys (`runs_fused`); a step with more, where SDPA's block products (and a bf16 model's
+oneDNN products) win, and every other model go through the lean forward.
 
-It computes what the lean forward computes, in another order (its own sums, no SDPA), so its
-results agree to fp32 rounding, not bit for bit; tests/runner/test_fused_decode.py bounds the
-difference and checks that a row's result does not depend on its batch or the thread count.
+For w4a16/w4a8 it computes what the lean forward computes, in another order (its own sums, no SDPA),
+so its results agree to fp32 rounding, not bit for bit. A bf16 model's step runs in fp32 on its bf16
+weights (widened exactly), norms and RoPE: what the lean forward computes for the same model in
+fp32, to fp32 rounding, where torch's bf16 forward rounds every activation to bf16 (about 2e-2 away
+on the tiny test models); it returns the hidden states in bf16 for the model's LM head.
+tests/runner/test_fused_decode.py bounds the differences and checks that a row's result does not
+depend on its batch or the thread count.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                      "block_size", "table_width")] + \
                [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act_int8", ctypes.c_int64),
-                ("kv_f16", ctypes.c_int64), ("bf16_rows", ctypes.c_void_p)]
+                ("kv_f16", ctypes.c_int64), ("bf16_rows", ctypes.c_void_p), ("dense_bf16", ctypes.c_int64)]
 
 
 _LAYER_POINTERS = ("in_norm", "post_norm", "qkv_codes", "qkv_scales", "qkv_mins", "qkv_bias", "o_codes", "o_scales",
@@ -49,8 +55,12 @@ _LAYER_POINTERS = ("in_norm", "post_norm", "qkv_codes", "qkv_scales", "qkv_mins"
                    "down_mins", "down_bias", "k_cache", "v_cache")
 
 
+_DENSE_POINTERS = ("q_w", "k_w", "v_w", "o_w", "gate_w", "up_w", "down_w")
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_POINTERS] + [("window", ctypes.c_int64)]
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_POINTERS] + [("window", ctypes.c_int64)] + \
+               [(name, ctypes.c_void_p) for name in _DENSE_POINTERS]
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,58 @@ def _native_int4(module: nn.Module | Int4Group | None, kernel: lowbit.LowbitKern
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     return _Int4(linear.qweight, linear.scales, linear.mins, bias, linear.activations)
+
+
+def _dense_bf16(linear: nn.Module) -> torch.Tensor | None:
+    """The weight of a plain bf16 nn.Linear on the CPU, [out, in] contiguous; else None."""
+    if type(linear) is not nn.Linear:
+        return None
+    w = linear.weight
+    return w if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() else None
+
+
+def _fp32_bias(*members: nn.Module) -> torch.Tensor | None:
+    """The members' biases stacked in fp32 (zeros for a member without one), or None when none has one."""
+    if all(m.bias is None for m in members):
+        return None
+    return torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(m.weight.shape[0])
+                      for m in members]).contiguous()
+
+
+def _dense_layer(layer: nn.Module) -> dict[str, torch.Tensor | None] | None:
+    """A layer's operands for the C code's bf16 products (dims.dense_bf16): every projection a plain
+    bf16 nn.Linear; the biases in fp32, q/k/v's and gate/up's stacked as the C code stacks the
+    products. None when a projection is anything else."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = dict(q_w=attn.q_proj, k_w=attn.k_proj, v_w=attn.v_proj, o_w=attn.o_proj, gate_w=mlp.gate_proj,
+                   up_w=mlp.up_proj, down_w=mlp.down_proj)
+    weights = {name: _dense_bf16(linear) for name, linear in linears.items()}
+    if any(w is None for w in weights.values()):
+        return None
+    return {**weights, "qkv_bias": _fp32_bias(attn.q_proj, attn.k_proj, attn.v_proj), "o_bias": _fp32_bias(attn.o_proj),
+            "gu_bias": _fp32_bias(mlp.gate_proj, mlp.up_proj), "down_bias": _fp32_bias(mlp.down_proj)}
+
+
+def _int4_layer(layer: nn.Module, kernel: lowbit.LowbitKernels) -> tuple[dict[str, torch.Tensor | None], str] | None:
+    """A layer's int4 operands (fused q/k/v and gate/up groups, o and down) on `kernel` and their
+    activation kind, or None when a projection is not w4a16/w4a8 on it or the kinds differ."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _native_int4(_fused_group(attn.q_proj, attn.k_proj, attn.v_proj), kernel)
+    gate_up = _native_int4(_fused_group(mlp.gate_proj, mlp.up_proj), kernel)
+    o, down = _native_int4(attn.o_proj, kernel), _native_int4(mlp.down_proj, kernel)
+    if qkv is None or gate_up is None or o is None or down is None:
+        return None
+    kinds = {op.activations for op in (qkv, gate_up, o, down)}
+    if len(kinds) != 1:
+        return None
+    return {f"{prefix}_{part}": getattr(op, part) for prefix, op in (("qkv", qkv), ("o", o), ("gu", gate_up), ("down", down))
+            for part in ("codes", "scales", "mins", "bias")}, kinds.pop()
+
+
+def _fused_group(*members: nn.Module):  # noqa: ANN202  (paged_decoder imports this module)
+    from magnitude.runner.paged_decoder import _fused_group as group
+
+    return group(*members)
 
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], "torch.Tensor | None"]
@@ -147,6 +209,22 @@ FUSED_MAX_CHUNK_KEYS_BF16 = 150_000
 FUSED_POOL_DTYPES = (torch.float32, torch.float16)
 
 
+FUSED_BOUNDS_BF16PREFILL = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16, max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16)
+# A bf16 model's products in the C code widen its weights to fp32 in registers and sum in fp32 FMAs,
+# where torch's bf16 products (oneDNN: AVX512-BF16 dot products, AMX tiles) take a chunk's many rows at
+# a fraction of the cost and its per-call work is what a few rows pay. Fused against lean, wall time,
+# two AMX Xeon cores (`bench/step_profile.py --compare-decoders --dtype bfloat16 --quantization none
+# --threads 2`, 2026-12-05): decodes at context 100 0.37x / 0.35x / 0.39x / 0.46x / 0.57x at batch 1 / 2 /
+# 4 / 8 / 16 (16.6 against 45.1 ms at batch 1), at context 1,000 0.32-0.37x, at context 200 0.56x /
+# 0.56x / 0.66x / 0.67x / 0.73x at 24 / 32 / 64 / 96 / 128; chunks alone of 8 / 16 / 32 rows 0.52x /
+# 0.61x / 0.83x, of 48 / 64 / 128 1.18x / 1.04x / 1.63x; beside decodes 24+32 0.83x, 32+32 0.77x,
+# 48+16 0.71x, 16+48 0.81x, 8+56 0.79x (the lean forward's decode rows cost it most). So decode rows
+# always qualify and chunk rows up to FUSED_MAX_CHUNK_ROWS_DENSE_BF16. Where bf16 is not native (AVX2,
+# AVX-512 without BF16) torch's bf16 products cost more and the bound is the safer for it.
+FUSED_MAX_CHUNK_ROWS_DENSE_BF16 = 32
+FUSED_BOUNDS_DENSE_BF16 = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_DENSE_BF16)
+
+
 def runs_fused(batch: PagedBatch, max_chunk_rows: int = FUSED_MAX_CHUNK_ROWS,
                max_chunk_keys: int = FUSED_MAX_CHUNK_KEYS) -> bool:
     """Whether the fused forward takes this step (see FUSED_MAX_CHUNK_ROWS); decode rows always qualify."""
@@ -166,25 +244,27 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                   choose: Callable[[PagedBatch], bool] = runs_fused) -> DecodeFn | None:
     """The fused forward for `inner` (already accepted by paged_decoder.lean_family, whose
     `window(attn)` gives each layer's sliding window), or None when the model is not one it runs:
-    not w4a16 (or not w4a8) on Magnitude's kernels throughout, not fp32, or not SiLU. The forward
-    returns the final norm's output, or None for a step `choose` declines (by default
-    `runs_fused`, with FUSED_MAX_CHUNK_ROWS_BF16 and FUSED_MAX_CHUNK_KEYS_BF16 under
-    w4a16-bf16prefill), for the caller to run the lean forward.
+    not SiLU, or neither fp32 with w4a16 (or w4a8) on Magnitude's kernels throughout nor bf16
+    throughout on the CPU with the kernels built (not where MAGNITUDE_LOWBIT_KERNEL=torch or the
+    build failed). The forward returns the final norm's output in the model's dtype, or None for a
+    step `choose` declines (by default `runs_fused`, with FUSED_BOUNDS_BF16PREFILL under
+    w4a16-bf16prefill and FUSED_BOUNDS_DENSE_BF16 for a bf16 model), for the caller to run the lean
+    forward.
 
     The weights' addresses are taken now (their tensors kept alive with the forward): a model whose
     modules or buffers are replaced later needs a new forward, as runner.py builds after quantizing."""
-    from magnitude.runner.paged_decoder import _fused_group  # paged_decoder imports this module
-
     config = inner.config
     layers = list(inner.layers[: config.num_hidden_layers])
-    if not layers:
+    if not layers or getattr(config, "hidden_act", None) != "silu":
         return None
-    # The kernels the model's projections were built on (none for an unquantized model, which
-    # therefore never builds them); every projection is checked against it below.
-    kernel = getattr(layers[0].self_attn.o_proj, "kernel", None)
     embed = inner.embed_tokens
-    fp32_rows = (embed.dtype if isinstance(embed, Int8GroupEmbedding) else embed.weight.dtype) == torch.float32
-    if not isinstance(kernel, lowbit.LowbitKernels) or getattr(config, "hidden_act", None) != "silu" or not fp32_rows:
+    rows_dtype = embed.dtype if isinstance(embed, Int8GroupEmbedding) else embed.weight.dtype
+    # bf16 projections run on this process's kernels (built at first use; none where torch's kernels
+    # are chosen or the build failed: the lean forward then runs every step); int4 ones on the kernels
+    # they were built on (none for an unquantized model, which therefore never builds them).
+    dense = rows_dtype == torch.bfloat16 and _dense_bf16(layers[0].self_attn.o_proj) is not None
+    kernel = lowbit.kernels() if dense else getattr(layers[0].self_attn.o_proj, "kernel", None)
+    if not isinstance(kernel, lowbit.LowbitKernels) or (rows_dtype != torch.float32 and not dense):
         return None
     attn0 = layers[0].self_attn
     heads, head_dim = config.num_attention_heads, attn0.head_dim
@@ -195,35 +275,30 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     weights: list[dict[str, int]] = []
     activations: set[str] = set()  # one kind throughout: the C code takes one flag for every product
     windows: list[int] = []
+    norm_dtypes = (torch.float32, torch.bfloat16) if dense else (torch.float32,)
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = _native_int4(_fused_group(attn.q_proj, attn.k_proj, attn.v_proj), kernel)
-        gate_up = _native_int4(_fused_group(mlp.gate_proj, mlp.up_proj), kernel)
-        o, down = _native_int4(attn.o_proj, kernel), _native_int4(mlp.down_proj, kernel)
+        attn = layer.self_attn
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if None in (qkv, gate_up, o, down) or any(n.weight.dtype != torch.float32 for n in norms):
+        if dense:
+            operands, kind = _dense_layer(layer), "dense_bf16"
+        else:
+            operands, kind = _int4_layer(layer, kernel) or (None, "")
+        if operands is None or any(n.weight.dtype not in norm_dtypes for n in norms):
             return None
-        activations.update(op.activations for op in (qkv, gate_up, o, down))
+        activations.add(kind)
         if attn.head_dim != head_dim or float(attn.scaling) != float(attn0.scaling):
             return None
-        entry: dict[str, int] = {}
-        for prefix, op in (("qkv", qkv), ("o", o), ("gu", gate_up), ("down", down)):
-            for part in ("codes", "scales", "mins", "bias"):
-                t = getattr(op, part)
-                entry[f"{prefix}_{part}"] = 0 if t is None else t.data_ptr()
-                if t is not None:
-                    keep.append(t)
-        for name, norm in zip(("in_norm", "post_norm"), norms):
-            w = norm.weight.detach().contiguous()
-            keep.append(w)
-            entry[name] = w.data_ptr()
-        weights.append(entry)
+        # norms in fp32 (a bf16 model's widened: exact), as the C code reads them
+        operands.update(in_norm=norms[0].weight.detach().float().contiguous(),
+                        post_norm=norms[1].weight.detach().float().contiguous())
+        keep.extend(t for t in operands.values() if t is not None)
+        weights.append({name: 0 if t is None else t.data_ptr() for name, t in operands.items()})
         windows.append(window(attn) or 0)
     eps = {float(n.variance_epsilon) for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
-    if len(eps) != 1 or len(activations) != 1 or inner.norm.weight.dtype != torch.float32:
+    if len(eps) != 1 or len(activations) != 1 or inner.norm.weight.dtype not in norm_dtypes:
         return None
     kind = activations.pop()  # one kind throughout (checked above)
-    final_norm = inner.norm.weight.detach().contiguous()
+    final_norm = inner.norm.weight.detach().float().contiguous()
     keep.append(final_norm)
     final_eps = float(inner.norm.variance_epsilon)
     lib = kernel.lib
@@ -234,11 +309,10 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         table[i].window = win
     dims = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling),
-                act_int8=int(kind == "int8"))
+                act_int8=int(kind == "int8"), dense_bf16=int(dense))
     bf16prefill = kind == "bf16prefill"  # its products read the step's marked rows
-    if bf16prefill and choose is runs_fused:
-        choose = functools.partial(runs_fused, max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16,
-                                   max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16)
+    if choose is runs_fused and (bf16prefill or dense):
+        choose = functools.partial(runs_fused, **(FUSED_BOUNDS_DENSE_BF16 if dense else FUSED_BOUNDS_BF16PREFILL))
     rope = _RopeTable(inner.rotary_emb)
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor | None:
@@ -256,7 +330,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         if tables.size and (tables.min() < 0 or tables.max() >= blocks or positions.min() < 0
                             or positions.max() // batch.block_size >= tables.shape[1]):
             raise ValueError(f"fused step: a block id outside the pool's {blocks} blocks or a position past its table")
-        h = inner.embed_tokens(input_ids)[0].contiguous()  # [T, hidden], fresh: updated in place
+        h = inner.embed_tokens(input_ids)[0].to(torch.float32).contiguous()  # [T, hidden], fresh: updated in place
         cos, sin = rope.rows(h, position_ids)  # [T, head_dim]
         if cos.shape[-1] != head_dim:  # partial rotary: not something these families do
             return None
@@ -273,7 +347,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
             log.warning("fused step declined (%s); this step runs the lean forward",
                         "out of memory" if rc == -1 else "a shape it does not take")
             return None
-        return h
+        return h.to(rows_dtype)  # what the model's LM head takes (a bf16 model's)
 
     forward.keep = keep  # type: ignore[attr-defined]
     forward.choose = choose  # type: ignore[attr-defined]  # which steps it takes (tests read it)

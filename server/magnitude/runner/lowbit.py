@@ -4,7 +4,8 @@ and calling them.
 A small decode batch multiplies a few activation rows by every weight once. torch's int4 and int8
 weight-only CPU kernels decode the weights again for each row and, on their fast path, round the
 activations to bf16; `lowbit_kernels.c` decodes each weight block once for up to 8 rows and keeps
-the activations in fp32 (measured with `bench/lowbit_bench.py`). quantize.py's w4a16 and w8a16
+the activations in fp32 (measured with `bench/lowbit_bench.py`); the fused decode step
+(fused_decode.py) runs whole decoder layers on them, a bfloat16 model's too. quantize.py's w4a16 and w8a16
 linears call these kernels where they load and fall back to torch's where not; w4a8's (int4 weights
 times int8-rounded activations, integer dot products) exist only here, so w4a8 is refused where
 they do not load.

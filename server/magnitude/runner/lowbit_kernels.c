@@ -12,6 +12,7 @@
    - int8g: codes [n][k] signed bytes; w = code * scale[n][k/32] (GGUF Q8_0's blocks: a token
      embedding stored as Q8_0 and tied to the LM head is multiplied exactly as stored).
    k is a multiple of 32 for all (lowbit.py's wrappers and fused_decode.py check).
+   - bf16 (the fused step of a bfloat16 model only): w [n][k] bf16, any k; widened to fp32 exactly.
 
    int4 weights also multiply int8 activations (w4a8, GGUF's Q4_1 x Q8_1 dot product): each row is
    quantized per group of 32 inputs, q = round(x * (1 / d)) with d = max|x| / 127, and a group's product is
@@ -873,6 +874,9 @@ typedef struct {
     const uint8_t *down_codes; const float *down_scales, *down_mins, *down_bias;
     void *k_cache, *v_cache;                           /* [slots][kv_heads][head_dim], fp32 or fp16 */
     int64_t window;                                    /* keys with pos - key_pos < window; 0: all */
+    /* bf16 weights [n][k] (dims.dense_bf16), each projection its own matrix; then the *_codes,
+       scales and mins above are unused, and qkv_bias and gu_bias are the stacked fp32 biases */
+    const uint16_t *q_w, *k_w, *v_w, *o_w, *gate_w, *up_w, *down_w;
 } magnitude_layer;
 
 typedef struct {
@@ -881,6 +885,7 @@ typedef struct {
     int64_t act_int8;                                  /* 1: the products take int8 activations (w4a8) */
     int64_t kv_f16;                                    /* 1: the pool holds IEEE half floats, else fp32 */
     const uint8_t *bf16_rows;                          /* [m] or null: rows whose products run in bf16 */
+    int64_t dense_bf16;                                /* 1: the layers' weights are bf16 (q_w ... down_w) */
 } magnitude_dims;
 
 /* A thread's int8 copy of the rows it multiplies (w4a8): q [m][k], d and s [m][k/32]. */
@@ -908,6 +913,16 @@ static void barrier_wait(spin_barrier *b, int *local_sense) {
     }
 }
 
+/* y[r][n0..n1) = out[r][n0..n1) + bias, or added into y when accumulate (the residual stream). */
+static void finish_product(const float *out, float *y, int64_t ldy, int64_t m, int64_t n0, int64_t n1,
+                           const float *bias, int accumulate) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t n = n0; n < n1; n++) {
+            float v = out[r * ldy + n] + (bias ? bias[n] : 0.f);
+            y[r * ldy + n] = accumulate ? y[r * ldy + n] + v : v;
+        }
+}
+
 /* y[r][n0..n1) = x[r] @ W^T (+ bias) (+= into y when accumulate: the residual stream). With q8,
    x is taken in int8 from it, quantized first unless `quantized` says this thread already holds x
    there (gate and up share their input); each thread quantizes every row itself: a few
@@ -925,11 +940,114 @@ static void int4_share(const float *x, int64_t m, int64_t k, const uint8_t *code
     } else {
         int4_mixed_rows(x, m, k, codes, scales, mins, out, ldy, n0, n1, bf16_rows, bf16);
     }
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t n = n0; n < n1; n++) {
-            float v = out[r * ldy + n] + (bias ? bias[n] : 0.f);
-            y[r * ldy + n] = accumulate ? y[r * ldy + n] + v : v;
+    finish_product(out, y, ldy, m, n0, n1, bias, accumulate);
+}
+
+/* bf16 weights (a bfloat16 model's projections): out[r][n] = x[r] . w[n - off] for channels
+   [n0, n1), w [.][k] bf16 widened to fp32 in registers (exact), fp32 activations and sums. A decode
+   row reads half the bytes of fp32 weights and none of torch's per-call work. Channels go in blocks
+   whose weights stay in cache while every pass of up to DENSE_ROWS rows reads them, two channels at a
+   time; each row's sum is formed in one order whatever the rows beside it (one accumulator of VLANES
+   lanes, then the tail), so a row's result does not depend on its batch or the thread count. */
+static inline float bf16_value(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#define DENSE_ROWS 4
+#define DENSE_BLOCK 32
+#ifdef __AVX2__
+#ifdef __AVX512F__
+#define BF16_LOAD(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#else
+#define BF16_LOAD(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+static inline __attribute__((always_inline)) void bf16_pass(const int M, const float *x, int64_t k, const uint16_t *w,
+                                                            int64_t off, float *out, int64_t ldy, int64_t n0, int64_t n1) {
+    const int64_t kv = k / VLANES * VLANES;
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+        const uint16_t *w0 = w + (n - off) * k, *w1 = w0 + k;
+        vecf a0[DENSE_ROWS], a1[DENSE_ROWS];
+        for (int r = 0; r < M; r++) a0[r] = a1[r] = VZERO();
+        for (int64_t i = 0; i < kv; i += VLANES) {
+            const vecf b0 = BF16_LOAD(w0 + i), b1 = BF16_LOAD(w1 + i);
+            for (int r = 0; r < M; r++) {
+                const vecf xv = VLOAD(x + r * k + i);
+                a0[r] = VFMA(xv, b0, a0[r]);
+                a1[r] = VFMA(xv, b1, a1[r]);
+            }
         }
+        for (int r = 0; r < M; r++) {
+            float s0 = VSUM(a0[r]), s1 = VSUM(a1[r]);
+            for (int64_t i = kv; i < k; i++) {
+                s0 += x[r * k + i] * bf16_value(w0[i]);
+                s1 += x[r * k + i] * bf16_value(w1[i]);
+            }
+            out[r * ldy + n] = s0;
+            out[r * ldy + n + 1] = s1;
+        }
+    }
+    for (; n < n1; n++) {
+        const uint16_t *w0 = w + (n - off) * k;
+        vecf a0[DENSE_ROWS];
+        for (int r = 0; r < M; r++) a0[r] = VZERO();
+        for (int64_t i = 0; i < kv; i += VLANES) {
+            const vecf b0 = BF16_LOAD(w0 + i);
+            for (int r = 0; r < M; r++) a0[r] = VFMA(VLOAD(x + r * k + i), b0, a0[r]);
+        }
+        for (int r = 0; r < M; r++) {
+            float s0 = VSUM(a0[r]);
+            for (int64_t i = kv; i < k; i++) s0 += x[r * k + i] * bf16_value(w0[i]);
+            out[r * ldy + n] = s0;
+        }
+    }
+}
+#else
+static void bf16_pass(const int M, const float *x, int64_t k, const uint16_t *w, int64_t off, float *out, int64_t ldy,
+                      int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *w0 = w + (n - off) * k;
+        for (int r = 0; r < M; r++) {
+            float s = 0.f;
+            for (int64_t i = 0; i < k; i++) s += x[r * k + i] * bf16_value(w0[i]);
+            out[r * ldy + n] = s;
+        }
+    }
+}
+#endif
+
+static void bf16_rows(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t off, float *out, int64_t ldy,
+                      int64_t n0, int64_t n1) {
+    for (int64_t c = n0; c < n1; c += DENSE_BLOCK) {
+        const int64_t c1 = c + DENSE_BLOCK < n1 ? c + DENSE_BLOCK : n1;
+        for (int64_t r0 = 0; r0 < m; r0 += DENSE_ROWS) {
+            const float *xr = x + r0 * k;
+            float *o = out + r0 * ldy;
+            switch (m - r0 < DENSE_ROWS ? (int)(m - r0) : DENSE_ROWS) {
+                case 1: bf16_pass(1, xr, k, w, off, o, ldy, c, c1); break;
+                case 2: bf16_pass(2, xr, k, w, off, o, ldy, c, c1); break;
+                case 3: bf16_pass(3, xr, k, w, off, o, ldy, c, c1); break;
+                default: bf16_pass(4, xr, k, w, off, o, ldy, c, c1); break;
+            }
+        }
+    }
+}
+
+/* As int4_share, for bf16 weights stacked from `nseg` matrices of rows[s] channels each (q, k, v;
+   gate, up), the bias stacked the same way. */
+static void bf16_share(const float *x, int64_t m, int64_t k, const uint16_t *const *w, const int64_t *rows, int nseg,
+                       const float *bias, float *y, int64_t ldy, int64_t n0, int64_t n1, int accumulate, float *tmp) {
+    if (n0 >= n1) return;
+    float *out = accumulate ? tmp : y;
+    int64_t off = 0;
+    for (int s = 0; s < nseg; off += rows[s], s++) {
+        const int64_t lo = n0 > off ? n0 : off, hi = n1 < off + rows[s] ? n1 : off + rows[s];
+        if (lo < hi) bf16_rows(x, m, k, w[s], off, out, ldy, lo, hi);
+    }
+    finish_product(out, y, ldy, m, n0, n1, bias, accumulate);
 }
 
 static void rms_norm_rows(const float *h, const float *w, float *out, int64_t m, int64_t hidden, float eps,
@@ -1291,6 +1409,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                             const float *sin, const float *final_norm, float final_eps, int threads) {
     const int64_t H = d->hidden, D = d->head_dim, I = d->intermediate;
     const int64_t nqkv = (d->heads + 2 * d->kv_heads) * D, nattn = d->heads * D;
+    const int64_t qkv_rows[3] = {d->heads * D, d->kv_heads * D, d->kv_heads * D}, gu_rows[2] = {I, I};
     int64_t max_len = 1;
     for (int64_t r = 0; r < m; r++) max_len = positions[r] + 1 > max_len ? positions[r] + 1 : max_len;
     /* Shared buffers: normed input, q/k/v, attention output, gate/up, the activation, and a
@@ -1347,10 +1466,12 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
         if (!failed) {
             for (int64_t l = 0; l < n_layers; l++) {
                 const magnitude_layer *L = layers + l;
+                const uint16_t *const qkv_w[3] = {L->q_w, L->k_w, L->v_w}, *const gu_w[2] = {L->gate_w, L->up_w};
                 rms_norm_rows(h, L->in_norm, xn, m, H, d->eps, t, nt);
                 barrier_wait(&bar, &sense);
                 share(nqkv, t, nt, &a, &b);
-                int4_share(xn, m, H, L->qkv_codes, L->qkv_scales, L->qkv_mins, L->qkv_bias, qkv, nqkv, a, b, 0, 0, q8, 0, d->bf16_rows, bf16);
+                if (d->dense_bf16) bf16_share(xn, m, H, qkv_w, qkv_rows, 3, L->qkv_bias, qkv, nqkv, a, b, 0, 0);
+                else int4_share(xn, m, H, L->qkv_codes, L->qkv_scales, L->qkv_mins, L->qkv_bias, qkv, nqkv, a, b, 0, 0, q8, 0, d->bf16_rows, bf16);
                 barrier_wait(&bar, &sense);
                 for (int64_t item = t; item < m * d->kv_heads; item += nt) {
                     int64_t r = item / d->kv_heads;
@@ -1365,14 +1486,20 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 }
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
-                int4_share(attn, m, nattn, L->o_codes, L->o_scales, L->o_mins, L->o_bias, h, H, a, b, 1, tmp, q8, 0, d->bf16_rows, bf16);
+                if (d->dense_bf16) bf16_share(attn, m, nattn, &L->o_w, &H, 1, L->o_bias, h, H, a, b, 1, tmp);
+                else int4_share(attn, m, nattn, L->o_codes, L->o_scales, L->o_mins, L->o_bias, h, H, a, b, 1, tmp, q8, 0, d->bf16_rows, bf16);
                 barrier_wait(&bar, &sense);
                 rms_norm_rows(h, L->post_norm, xn, m, H, d->eps, t, nt);
                 barrier_wait(&bar, &sense);
                 /* Gate channel j and up channel j in the same thread, so the activation needs no barrier. */
                 share(I, t, nt, &a, &b);
-                int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, a, b, 0, 0, q8, 0, d->bf16_rows, bf16);
-                int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0, q8, a < b, d->bf16_rows, bf16);
+                if (d->dense_bf16) {
+                    bf16_share(xn, m, H, gu_w, gu_rows, 2, L->gu_bias, gu, 2 * I, a, b, 0, 0);
+                    bf16_share(xn, m, H, gu_w, gu_rows, 2, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0);
+                } else {
+                    int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, a, b, 0, 0, q8, 0, d->bf16_rows, bf16);
+                    int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0, q8, a < b, d->bf16_rows, bf16);
+                }
                 for (int64_t r = 0; r < m; r++)
                     for (int64_t j = a; j < b; j++) {
                         float g = gu[r * 2 * I + j];
@@ -1380,7 +1507,8 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                     }
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
-                int4_share(act, m, I, L->down_codes, L->down_scales, L->down_mins, L->down_bias, h, H, a, b, 1, tmp, q8, 0, d->bf16_rows, bf16);
+                if (d->dense_bf16) bf16_share(act, m, I, &L->down_w, &H, 1, L->down_bias, h, H, a, b, 1, tmp);
+                else int4_share(act, m, I, L->down_codes, L->down_scales, L->down_mins, L->down_bias, h, H, a, b, 1, tmp, q8, 0, d->bf16_rows, bf16);
                 barrier_wait(&bar, &sense);
             }
             /* in place: a row's sum of squares is taken before any of it is written */
