@@ -189,22 +189,45 @@ def test_a_bf16_models_decode_step_is_its_weights_in_fp32(arch, head_dim, tmp_pa
     _close_caches(fused_cache, ref_cache, TINY_TOLERANCE)  # the K/V it wrote, in fp32
 
 
-def test_a_bf16_models_step_on_every_build_and_odd_widths(kernel, tmp_path, monkeypatch):
-    """The bf16 products on the native, AVX2 and portable builds, over widths that leave a tail
-    past their vectors (hidden 72, intermediate 100) and 20 rows (passes of 4): 12 decodes and an
-    8-token chunk, against the fp32 copy."""
+def _random_biases(inner, drop_k_bias: bool) -> None:
+    """Non-zero biases wherever the model has them (transformers initialises them to 0), and with
+    `drop_k_bias` none on k_proj, so the stacked q/k/v bias fills a member's share with zeros."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in inner.layers:
+            if drop_k_bias:
+                layer.self_attn.k_proj.bias = None
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                      layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                if m.bias is not None:
+                    m.bias.copy_(torch.randn(m.bias.shape, generator=gen) * 0.1)
+
+
+@pytest.mark.parametrize("arch,chunk", [("qwen2", 10), ("llama-biases", 11)])
+def test_a_bf16_models_step_on_every_build_with_biases_and_odd_widths(kernel, arch, chunk, tmp_path, monkeypatch):
+    """The bf16 products on the native and AVX2 builds (the portable one is not used for them),
+    over widths past their vectors (hidden 76, intermediate 101: a tail on both widths, an odd
+    channel), 12 decodes and a 10- or 11-token chunk (passes of 4 rows ending in 2 or 3), non-zero
+    biases (Qwen2's q/v with none on k; a Llama's on every projection), against the fp32 copy."""
     monkeypatch.setattr(lowbit, "_loaded", kernel)
-    config = tiny_config("qwen2")  # q/k/v biases
-    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 72, 4, 2
-    config.head_dim, config.intermediate_size = 18, 100
-    runner = _runner(build_tiny_model("qwen2", tmp_path / "q", config=config), dtype="bfloat16")
+    config = tiny_config("llama" if arch == "llama-biases" else arch)
+    if arch == "llama-biases":
+        config.attention_bias = config.mlp_bias = True
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 76, 4, 2
+    config.head_dim, config.intermediate_size = 18, 101
+    runner = _runner(build_tiny_model(config.model_type, tmp_path / arch, config=config), dtype="bfloat16")
     inner = runner.model.model
-    seqs = [([b], 3 + b, 1) for b in range(12)] + [([20, 21], 4, 8)]
-    assert fused_decoder(inner, lean_family(inner).window).choose(_step(runner, seqs, True, torch.Generator())[2])
+    _random_biases(inner, drop_k_bias=arch == "qwen2")
+    fused = fused_decoder(inner, lean_family(inner).window)
+    if kernel.isa == "generic":
+        assert fused is None  # its scalar sums are not measured against torch's bf16 products
+        return
+    seqs = [([b], 3 + b, 1) for b in range(12)] + [([20, 21], 4, chunk)]
+    assert fused.choose(_step(runner, seqs, True, torch.Generator())[2])
     got, want, bf16, fused_cache, ref_cache = _bf16_against_fp32(inner, copy.deepcopy(inner).float(), runner, seqs)
-    print(f"\n{kernel.name}: bf16 fused vs its fp32 copy {_rel(got, want.bfloat16()):.1e}, the bf16 forward "
+    print(f"\n{kernel.name}: {arch} bf16 fused vs its fp32 copy {_rel(got, want.bfloat16()):.1e}, the bf16 forward "
           f"{_rel(bf16, want):.1e}")
-    assert got.shape[0] == 20 and _rel(got, want.bfloat16()) < BF16_ROUNDED_TOLERANCE < _rel(bf16, want)
+    assert got.shape[0] == 12 + chunk and _rel(got, want.bfloat16()) < BF16_ROUNDED_TOLERANCE < _rel(bf16, want)
     _close_caches(fused_cache, ref_cache, TINY_TOLERANCE)
 
 
@@ -258,6 +281,7 @@ def test_a_dropped_window_would_fail(tmp_path, monkeypatch):
 def test_a_rows_result_is_the_same_alone_batched_and_on_one_thread(head_dim, dtype, quantization, tmp_path):
     _native_or_skip()
     runner = _runner(_tiny("qwen2-sliding", tmp_path / "q", head_dim), dtype=dtype, quantization=quantization)
+    assert runner.fused_steps
     fused = paged_decoder(runner.model.model)
     gen = torch.Generator().manual_seed(5)
     _prefill(runner, DECODES, gen)
@@ -406,6 +430,28 @@ def test_models_it_does_not_run_keep_the_lean_forward(tmp_path, monkeypatch, dty
     runner = _runner(build_tiny_model("llama", tmp_path / "l"), dtype=dtype, quantization=quantization)
     inner = runner.model.model
     assert fused_decoder(inner, lean_family(inner).window) is None
+
+
+def test_a_model_to_be_quantized_runs_unfused_until_it_is(tmp_path, monkeypatch):
+    """A bf16 model loaded for w8a16 is the quantization evaluation's reference until it is
+    quantized: its decoder must call its modules (their hooks give the checkpoint's pages back), so
+    the runner builds it without the fused step; a bf16 model served as loaded runs fused."""
+    _native_or_skip()
+    from magnitude.runner import runner as runner_module
+
+    calls = []
+
+    def recording(inner, fused=True):
+        calls.append(fused)
+        return paged_decoder(inner, fused=fused)
+
+    monkeypatch.setattr(runner_module, "paged_decoder", recording)
+    path = build_tiny_model("llama", tmp_path / "l")
+    quantized = _runner(path, dtype="bfloat16", quantization="w8a16")
+    assert calls == [False, True] and not quantized.fused_steps  # w8a16 linears: nothing to fuse
+    calls.clear()
+    assert _runner(path, dtype="bfloat16").fused_steps and calls == [True]
+    assert paged_decoder(quantized.model.model, fused=False).__name__ == "<lambda>"  # the lean forward
 
 
 def test_w4a8_is_refused_by_name_where_the_kernels_are_not_in_use(tmp_path, monkeypatch):

@@ -214,7 +214,7 @@ def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int]) -> str:
     """What the measured times depend on: model source and pinned revision, dtype, weight format,
     KV pool dtype, device, CPU model and ISA, torch version (quant_eval.cache_key adds the last two),
     threads, the grid itself, and the low-bit kernels' build where the steps run on it (low-bit
-    weights; a bf16 model on the CPU, whose few-row steps run fused: runner/fused_decode.py)."""
+    weights; a bf16 model whose steps run fused: runner/fused_decode.py)."""
     import torch
 
     from magnitude.runner import lowbit
@@ -233,7 +233,7 @@ def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int]) -> str:
         # named only when not fp32, so tables measured over an fp32 pool keep their keys
         *([f"kv={kv_dtype}"] if (kv_dtype := getattr(runner, "kv_cache_dtype", "float32")) != "float32" else []),
         *([f"lowbit={lowbit.describe(bf16_products=False)}"]
-          if str(runner.dtype) == "torch.bfloat16" and not device.startswith("cuda") else []),
+          if str(runner.dtype) == "torch.bfloat16" and getattr(runner, "fused_steps", False) else []),
     )
 
 

@@ -6,7 +6,7 @@ at batch 1 (`bench/step_profile.py`). For a model the lean forward takes (transf
 Mistral, Qwen2) with SiLU, and either fp32 activations with every projection in w4a16 (or every one
 in w4a8, or in w4a16-bf16prefill, whose products take the rows the runner marks in bf16) on
 Magnitude's kernels, or bfloat16 weights throughout (every projection a plain bf16 linear, on
-Magnitude's kernels built for this process), `fused_decoder` returns a forward that runs all layers
+Magnitude's kernels built for this process with AVX2 or AVX-512), `fused_decoder` returns a forward that runs all layers
 in C: RMSNorm, the q/k/v product, RoPE with the model's own cos/sin, the K/V write into the paged
 pool, grouped-query attention over each row's blocks (its sliding window, if any), the output
 projection, the SiLU-gated MLP, both residuals and the final norm; the pool may hold fp32 or float16
@@ -245,8 +245,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     """The fused forward for `inner` (already accepted by paged_decoder.lean_family, whose
     `window(attn)` gives each layer's sliding window), or None when the model is not one it runs:
     not SiLU, or neither fp32 with w4a16 (or w4a8) on Magnitude's kernels throughout nor bf16
-    throughout on the CPU with the kernels built (not where MAGNITUDE_LOWBIT_KERNEL=torch or the
-    build failed). The forward returns the final norm's output in the model's dtype, or None for a
+    throughout on the CPU with the kernels built for AVX2 or AVX-512 (not where
+    MAGNITUDE_LOWBIT_KERNEL=torch, the build failed or took the portable path). The forward returns the final norm's output in the model's dtype, or None for a
     step `choose` declines (by default `runs_fused`, with FUSED_BOUNDS_BF16PREFILL under
     w4a16-bf16prefill and FUSED_BOUNDS_DENSE_BF16 for a bf16 model), for the caller to run the lean
     forward.
@@ -259,12 +259,16 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         return None
     embed = inner.embed_tokens
     rows_dtype = embed.dtype if isinstance(embed, Int8GroupEmbedding) else embed.weight.dtype
-    # bf16 projections run on this process's kernels (built at first use; none where torch's kernels
-    # are chosen or the build failed: the lean forward then runs every step); int4 ones on the kernels
-    # they were built on (none for an unquantized model, which therefore never builds them).
-    dense = rows_dtype == torch.bfloat16 and _dense_bf16(layers[0].self_attn.o_proj) is not None
+    # bf16 projections (every layer's, checked first: a model that is not one never builds the
+    # kernels) run on this process's kernels, built at first use; none where torch's kernels are
+    # chosen or the build failed, and not the portable build's, whose scalar sums are not measured
+    # against torch's bf16 products: the lean forward then runs every step. int4 ones run on the
+    # kernels they were built on (none for an unquantized model, which therefore never builds them).
+    dense = type(embed) is nn.Embedding and rows_dtype == torch.bfloat16 \
+        and all(_dense_layer(layer) is not None for layer in layers)
     kernel = lowbit.kernels() if dense else getattr(layers[0].self_attn.o_proj, "kernel", None)
-    if not isinstance(kernel, lowbit.LowbitKernels) or (rows_dtype != torch.float32 and not dense):
+    if not isinstance(kernel, lowbit.LowbitKernels) or (rows_dtype != torch.float32 and not dense) \
+            or (dense and kernel.isa == "generic"):
         return None
     attn0 = layers[0].self_attn
     heads, head_dim = config.num_attention_heads, attn0.head_dim

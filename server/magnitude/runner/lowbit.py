@@ -329,7 +329,8 @@ def kernels() -> LowbitKernels | None:
                 _loaded = load(build())
             except (LowbitKernelError, OSError) as e:
                 _failure = str(e)
-                log.warning("low-bit weights use torch's kernels: %s", _failure)
+                log.warning("Magnitude's kernels did not build (low-bit weights use torch's, bf16 models the lean "
+                            "forward): %s", _failure)
         if _loaded is None and choice == "native":
             raise LowbitKernelError(f"{KERNEL_ENV}=native: {_failure}")
         return _loaded

@@ -15,8 +15,10 @@ q/k/v product, are rotated in one pass (the rotation is element-wise). Residual 
 in place (the embedding lookup returns fresh rows).
 
 Because the layers, attention, MLP and norm modules are not called as modules, forward hooks on
-them do not fire here (the projections are still module calls). Nothing in the engine hooks them;
-code that does (quantization's calibration pass) calls the model itself.
+them do not fire here (the projections are still module calls, except in fused steps, which call
+none). Code that hooks them calls the model itself (quantization's calibration pass) or a decoder
+built without the fused step (the evaluation's reference, whose projections give back their pages:
+file_pages.released_after_use).
 
 Any other architecture (Gemma's scaled embeddings and soft-capping, Qwen3's q/k norms, Phi-3's
 fused projections live in their own forwards), a model whose modules are not exactly those classes,
@@ -66,21 +68,24 @@ FAMILIES = (
 )
 
 
-def paged_decoder(inner: nn.Module) -> DecoderFn:
+def paged_decoder(inner: nn.Module, fused: bool = True) -> DecoderFn:
     """The forward for `inner` (a causal LM's `.model`): lean for a Llama-shaped family, its own
-    otherwise; a w4a16 or w4a8 model's decode steps (and short chunks) on Magnitude's kernels run fused
-    (fused_decode.py)."""
+    otherwise; with `fused`, the decode steps (and short chunks) of a w4a16/w4a8 model on
+    Magnitude's kernels, or of a bf16 one, run fused (fused_decode.py). A fused forward has
+    `fused = True`. The runner asks for none before it quantizes a model: the evaluation's
+    reference is the model as loaded, through the modules whose calls give back their weight pages."""
     family = lean_family(inner)
     if family is None:
         return transformers_decoder(inner)
-    fused = fused_decoder(inner, family.window)
-    if fused is None:
+    native = fused_decoder(inner, family.window) if fused else None
+    if native is None:
         return lambda input_ids, position_ids, batch: lean_forward(inner, family, input_ids, position_ids, batch)
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        h = fused(input_ids, position_ids, batch)  # the final norm included
+        h = native(input_ids, position_ids, batch)  # the final norm included
         return lean_forward(inner, family, input_ids, position_ids, batch) if h is None else h
 
+    forward.fused = True  # type: ignore[attr-defined]
     return forward
 
 

@@ -139,7 +139,8 @@ class ModelRunner:
             page_out_gpu_libraries()  # torch's CUDA wheel: ~150 MiB resident that this process never runs
         loaded = load_model(source, device, dtype, attn_implementation=ATTN_IMPLEMENTATION, progress=report)
         self.model = loaded.model
-        self._decoder = paged_decoder(self.model.model)
+        # A model to be quantized runs unfused until then (paged_decoder): it is the evaluation's reference.
+        self._decoder = paged_decoder(self.model.model, fused=self.quantization == "none")
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -202,6 +203,11 @@ class ModelRunner:
             if v is not None and int(v) not in ids:
                 ids.append(int(v))
         return ids
+
+    @property
+    def fused_steps(self) -> bool:
+        """Whether steps may run the fused native forward (paged_decoder, fused_decode.py)."""
+        return bool(getattr(self._decoder, "fused", False))
 
     def _quantize(self, source: Any, record_cache: Path | None, report: Callable[[str, float], None],
                   evaluate: bool) -> QuantizationRecord | None:
