@@ -38,7 +38,7 @@ from torch import nn
 
 from magnitude.runner import lowbit
 from magnitude.runner.attention import PagedBatch
-from magnitude.runner.quantize import Int4Group, Int4WeightOnlyLinear, Int8GroupEmbedding
+from magnitude.runner.quantize import Int4FusedMember, Int4Group, Int4WeightOnlyLinear, Int8GroupEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,16 @@ def _dense_layer(layer: nn.Module) -> dict[str, torch.Tensor | None] | None:
             "gu_bias": _fp32_bias(mlp.gate_proj, mlp.up_proj), "down_bias": _fp32_bias(mlp.down_proj)}
 
 
+def _fused_group(*members: nn.Module) -> Int4Group | None:
+    """The w4a16/w4a8 group whose product is exactly `members`, in this order (quantize.py fuses q/k/v
+    and gate/up), or None: each member is then called as a module."""
+    group = getattr(members[0], "fused_group", None)
+    if group is None or len(group.sizes) != len(members):
+        return None
+    ok = all(isinstance(m, Int4FusedMember) and m.fused_group is group and m.index == i for i, m in enumerate(members))
+    return group if ok else None
+
+
 def _int4_layer(layer: nn.Module, kernel: lowbit.LowbitKernels) -> tuple[dict[str, torch.Tensor | None], str] | None:
     """A layer's int4 operands (fused q/k/v and gate/up groups, o and down) on `kernel` and their
     activation kind, or None when a projection is not w4a16/w4a8 on it or the kinds differ."""
@@ -127,12 +137,6 @@ def _int4_layer(layer: nn.Module, kernel: lowbit.LowbitKernels) -> tuple[dict[st
         return None
     return {f"{prefix}_{part}": getattr(op, part) for prefix, op in (("qkv", qkv), ("o", o), ("gu", gate_up), ("down", down))
             for part in ("codes", "scales", "mins", "bias")}, kinds.pop()
-
-
-def _fused_group(*members: nn.Module):  # noqa: ANN202  (paged_decoder imports this module)
-    from magnitude.runner.paged_decoder import _fused_group as group
-
-    return group(*members)
 
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], "torch.Tensor | None"]
@@ -261,11 +265,12 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     rows_dtype = embed.dtype if isinstance(embed, Int8GroupEmbedding) else embed.weight.dtype
     # bf16 projections (every layer's, checked first: a model that is not one never builds the
     # kernels) run on this process's kernels, built at first use; none where torch's kernels are
-    # chosen or the build failed, and not the portable build's, whose scalar sums are not measured
-    # against torch's bf16 products: the lean forward then runs every step. int4 ones run on the
+    # chosen or the build failed, and the portable build has no bf16 products (they are vectorised
+    # only): the lean forward then runs every step. int4 ones run on the
     # kernels they were built on (none for an unquantized model, which therefore never builds them).
-    dense = type(embed) is nn.Embedding and rows_dtype == torch.bfloat16 \
-        and all(_dense_layer(layer) is not None for layer in layers)
+    dense_layers = [_dense_layer(layer) for layer in layers] \
+        if type(embed) is nn.Embedding and rows_dtype == torch.bfloat16 else []
+    dense = bool(dense_layers) and all(operands is not None for operands in dense_layers)
     kernel = lowbit.kernels() if dense else getattr(layers[0].self_attn.o_proj, "kernel", None)
     if not isinstance(kernel, lowbit.LowbitKernels) or (rows_dtype != torch.float32 and not dense) \
             or (dense and kernel.isa == "generic"):
@@ -280,11 +285,11 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     activations: set[str] = set()  # one kind throughout: the C code takes one flag for every product
     windows: list[int] = []
     norm_dtypes = (torch.float32, torch.bfloat16) if dense else (torch.float32,)
-    for layer in layers:
+    for i, layer in enumerate(layers):
         attn = layer.self_attn
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if dense:
-            operands, kind = _dense_layer(layer), "dense_bf16"
+            operands, kind = dense_layers[i], "dense_bf16"
         else:
             operands, kind = _int4_layer(layer, kernel) or (None, "")
         if operands is None or any(n.weight.dtype not in norm_dtypes for n in norms):

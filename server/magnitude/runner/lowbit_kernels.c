@@ -1005,19 +1005,6 @@ static inline __attribute__((always_inline)) void bf16_pass(const int M, const f
         }
     }
 }
-#else
-static void bf16_pass(const int M, const float *x, int64_t k, const uint16_t *w, int64_t off, float *out, int64_t ldy,
-                      int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-        const uint16_t *w0 = w + (n - off) * k;
-        for (int r = 0; r < M; r++) {
-            float s = 0.f;
-            for (int64_t i = 0; i < k; i++) s += x[r * k + i] * bf16_value(w0[i]);
-            out[r * ldy + n] = s;
-        }
-    }
-}
-#endif
 
 static void bf16_rows(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t off, float *out, int64_t ldy,
                       int64_t n0, int64_t n1) {
@@ -1049,6 +1036,12 @@ static void bf16_share(const float *x, int64_t m, int64_t k, const uint16_t *con
     }
     finish_product(out, y, ldy, m, n0, n1, bias, accumulate);
 }
+#define BF16_SHARE(...) bf16_share(__VA_ARGS__)
+#else
+/* Without AVX2 there are no bf16 products: magnitude_decode_layers declines bf16 steps (fused_decode.py
+   never asks for them on such a build). */
+#define BF16_SHARE(x, m, k, w, rows, ...) ((void)(w), (void)(rows))
+#endif
 
 static void rms_norm_rows(const float *h, const float *w, float *out, int64_t m, int64_t hidden, float eps,
                           int t, int nt) {
@@ -1416,6 +1409,9 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
        scratch row set for products added into the residual stream. */
     size_t shared = (size_t)m * (H + nqkv + nattn + 2 * I + I + (H > I ? H : I));
     if (m <= 0 || D > 512 || D % 2) return -2;  /* nothing to do, or a head rope() cannot hold */
+#ifndef __AVX2__
+    if (d->dense_bf16) return -2;  /* no bf16 products in this build */
+#endif
     float *buf = malloc(shared * sizeof(float));
     if (!buf) return -1;
     float *xn = buf, *qkv = xn + m * H, *attn = qkv + m * nqkv, *gu = attn + m * nattn, *act = gu + m * 2 * I,
@@ -1470,7 +1466,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 rms_norm_rows(h, L->in_norm, xn, m, H, d->eps, t, nt);
                 barrier_wait(&bar, &sense);
                 share(nqkv, t, nt, &a, &b);
-                if (d->dense_bf16) bf16_share(xn, m, H, qkv_w, qkv_rows, 3, L->qkv_bias, qkv, nqkv, a, b, 0, 0);
+                if (d->dense_bf16) BF16_SHARE(xn, m, H, qkv_w, qkv_rows, 3, L->qkv_bias, qkv, nqkv, a, b, 0, 0);
                 else int4_share(xn, m, H, L->qkv_codes, L->qkv_scales, L->qkv_mins, L->qkv_bias, qkv, nqkv, a, b, 0, 0, q8, 0, d->bf16_rows, bf16);
                 barrier_wait(&bar, &sense);
                 for (int64_t item = t; item < m * d->kv_heads; item += nt) {
@@ -1486,7 +1482,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 }
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
-                if (d->dense_bf16) bf16_share(attn, m, nattn, &L->o_w, &H, 1, L->o_bias, h, H, a, b, 1, tmp);
+                if (d->dense_bf16) BF16_SHARE(attn, m, nattn, &L->o_w, &H, 1, L->o_bias, h, H, a, b, 1, tmp);
                 else int4_share(attn, m, nattn, L->o_codes, L->o_scales, L->o_mins, L->o_bias, h, H, a, b, 1, tmp, q8, 0, d->bf16_rows, bf16);
                 barrier_wait(&bar, &sense);
                 rms_norm_rows(h, L->post_norm, xn, m, H, d->eps, t, nt);
@@ -1494,8 +1490,8 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 /* Gate channel j and up channel j in the same thread, so the activation needs no barrier. */
                 share(I, t, nt, &a, &b);
                 if (d->dense_bf16) {
-                    bf16_share(xn, m, H, gu_w, gu_rows, 2, L->gu_bias, gu, 2 * I, a, b, 0, 0);
-                    bf16_share(xn, m, H, gu_w, gu_rows, 2, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0);
+                    BF16_SHARE(xn, m, H, gu_w, gu_rows, 2, L->gu_bias, gu, 2 * I, a, b, 0, 0);
+                    BF16_SHARE(xn, m, H, gu_w, gu_rows, 2, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0);
                 } else {
                     int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, a, b, 0, 0, q8, 0, d->bf16_rows, bf16);
                     int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0, q8, a < b, d->bf16_rows, bf16);
@@ -1507,7 +1503,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                     }
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
-                if (d->dense_bf16) bf16_share(act, m, I, &L->down_w, &H, 1, L->down_bias, h, H, a, b, 1, tmp);
+                if (d->dense_bf16) BF16_SHARE(act, m, I, &L->down_w, &H, 1, L->down_bias, h, H, a, b, 1, tmp);
                 else int4_share(act, m, I, L->down_codes, L->down_scales, L->down_mins, L->down_bias, h, H, a, b, 1, tmp, q8, 0, d->bf16_rows, bf16);
                 barrier_wait(&bar, &sense);
             }

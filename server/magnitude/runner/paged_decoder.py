@@ -37,8 +37,8 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from magnitude.runner.attention import ATTN_IMPLEMENTATION, PagedBatch
-from magnitude.runner.fused_decode import fused_decoder
-from magnitude.runner.quantize import Int4FusedMember, Int4Group, Int8GroupEmbedding
+from magnitude.runner.fused_decode import _fused_group, fused_decoder
+from magnitude.runner.quantize import Int8GroupEmbedding
 
 DecoderFn = Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
 
@@ -130,16 +130,6 @@ def _rms_norm(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, half: int) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == roll(x, half) * sin_signed."""
     return (x * cos) + (x.roll(half, dims=-1) * sin_signed)
-
-
-def _fused_group(*members: nn.Module) -> Int4Group | None:
-    """The w4a16/w4a8 group whose product is exactly `members`, in this order (quantize.py fuses q/k/v
-    and gate/up), or None: each member is then called as a module."""
-    group = getattr(members[0], "fused_group", None)
-    if group is None or len(group.sizes) != len(members):
-        return None
-    ok = all(isinstance(m, Int4FusedMember) and m.fused_group is group and m.index == i for i, m in enumerate(members))
-    return group if ok else None
 
 
 def lean_forward(inner: nn.Module, family: _Family, input_ids: torch.Tensor, position_ids: torch.Tensor,
