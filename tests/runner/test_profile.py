@@ -174,3 +174,61 @@ def test_calibration_reads_only_blocks_it_wrote_and_writes_no_more_than_it_reads
     assert runner.most_read > 0
     assert runner.written <= runner.most_read + 20  # the grid's prefill blocks besides the contexts read
     assert doc["per_decode_context_token"] == pytest.approx(1e-6)
+
+
+class _CostRunner:
+    """A runner whose step takes `fixed` + `per_decode` a decode + `per_token` a prompt token (the
+    reference step too), and which counts the cells it ran."""
+
+    block_size, num_blocks, num_swap_blocks, max_model_len = 16, 4096, 0, 8192
+    model_name, device, dtype, quantization = "costed", "cpu", "float32", "none"
+
+    def __init__(self, fixed: float, per_token: float, per_decode: float = 0.002) -> None:
+        self.fixed, self.per_token, self.per_decode = fixed, per_token, per_decode
+        self.ran: dict[tuple[int, int], int] = {}
+
+    def execute(self, plan):
+        from types import SimpleNamespace
+
+        decodes = sum(1 for s in plan.seqs if not s.request_id == "p")
+        tokens = sum(len(s.token_ids) for s in plan.seqs if s.request_id == "p")
+        if plan.step_id and not all(s.request_id.startswith(REFERENCE_ID) for s in plan.seqs):
+            self.ran[(decodes, tokens)] = self.ran.get((decodes, tokens), 0) + 1
+        return SimpleNamespace(duration_s=self.fixed + self.per_decode * decodes + self.per_token * tokens)
+
+
+def test_prefill_columns_are_widened_while_the_efficient_step_lies_past_them():
+    """50 ms a step and 0.5 ms a prompt token: 90% of the best rate takes 900 tokens, past the grid's
+    256, and 256 runs at 0.86 of 512's rate, so 512 is measured, then 1,024 (past 900: nothing
+    more), each at every decode row and as many passes as the grid's cells; within
+    `widest_prefill`, and not at all without it (`magnitude profile`: the columns asked for)."""
+    runner = _CostRunner(fixed=0.050, per_token=0.0005)
+    doc = profile_runner(runner, [0, 1, 4], [0, 16, 64, 256], context=20, repeats=2, attention=False,
+                         widest_prefill=1024)
+    assert doc["prefill_tokens"] == [0, 16, 64, 256, 512, 1024] and doc["meta"]["widened"] == [512, 1024]
+    assert all(runner.ran[(d, p)] == 2 for d in (0, 1, 4) for p in (512, 1024))
+    # Each cell over the reference (one decode) times the median reference: the step's own seconds.
+    assert doc["seconds"][2][5] == pytest.approx(0.050 + 4 * 0.002 + 1024 * 0.0005)
+    capped = profile_runner(_CostRunner(0.050, 0.0005), [0, 1], [0, 16, 64, 256], context=20, repeats=1,
+                            attention=False, widest_prefill=512)
+    assert capped["prefill_tokens"] == [0, 16, 64, 256, 512]
+    unasked = profile_runner(_CostRunner(0.050, 0.0005), [0, 1], [0, 16, 64, 256], context=20, repeats=1,
+                             attention=False)
+    assert unasked["prefill_tokens"] == [0, 16, 64, 256] and unasked["meta"]["widened"] == []
+    # 2 ms a step: 90% of the rate at 36 tokens, within the grid: nothing measured past it.
+    near = _CostRunner(fixed=0.002, per_token=0.0005)
+    doc = profile_runner(near, [0, 1], [0, 16, 64, 256], context=20, repeats=1, attention=False, widest_prefill=1024)
+    assert doc["prefill_tokens"] == [0, 16, 64, 256] and not any(p > 256 for _, p in near.ran)
+
+
+def test_the_widest_column_fits_the_model_length_and_the_pool():
+    from magnitude.runner.calibration import CALIBRATION_WIDEST_PREFILL, blocks_needed, widest_prefill
+
+    grid = ([0, 1, 4, 16], [0, 16, 64, 256], 256)
+    runner = _CostRunner(0.05, 0.0005)
+    assert widest_prefill(runner, grid) == CALIBRATION_WIDEST_PREFILL == 1024
+    runner.max_model_len = 1000
+    assert widest_prefill(runner, grid) == 512
+    runner.max_model_len = 8192
+    runner.num_blocks = blocks_needed(grid[0], [*grid[1], 512], grid[2], runner.block_size)
+    assert widest_prefill(runner, grid) == 512

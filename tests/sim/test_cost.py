@@ -11,7 +11,8 @@ from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
 from magnitude.policy.load import resolve_config
 from magnitude.sim.cost import (READING_PACE_ITL_MS, CostModelError, LinearCost, TableCost, UnitCost,
-                                _prefill_step, derive_scheduler_limits, efficient_prefill_step, load_cost_model)
+                                _prefill_step, derive_scheduler_limits, efficient_prefill_step,
+                                efficient_step_past_table, load_cost_model)
 from magnitude.sim.simulate import resolve_sim_config
 
 
@@ -241,3 +242,50 @@ def test_the_step_is_raised_for_the_decodes_up_to_reading_pace() -> None:
     # One sequence at most: the step is judged beside that one decode.
     assert efficient_prefill_step(TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0),
                                             AVX512_W4A16_TABLES[3]), 1)[1] < 156.2
+
+
+# Start-up calibrations on one 2-core Intel Xeon with AMX (2026-12-05), decodes 0/1/4/16: bf16 over
+# the 16/64/256 grid (17:40), the same with the 512 and 1,024 columns the calibration then added
+# (19:25), fp32 with 512 added (19:28), and w4a16-bf16prefill, which added none (19:28).
+XEON_BF16_GRID = ((0.0, 0.0342, 0.112, 0.1885), (0.0165, 0.0416, 0.1189, 0.2183), (0.0275, 0.0459, 0.1407, 0.2245),
+                  (0.0516, 0.0691, 0.1634, 0.2602))
+XEON_BF16_WIDENED = ((0.0, 0.0376, 0.1073, 0.2065, 0.3458, 0.6631), (0.0194, 0.0464, 0.1319, 0.2351, 0.379, 0.6903),
+                     (0.0312, 0.0521, 0.1459, 0.2351, 0.3906, 0.7494), (0.0575, 0.0767, 0.1725, 0.2853, 0.4372, 0.7858))
+XEON_FP32_WIDENED = ((0.0, 0.0851, 0.1529, 0.327, 0.6345), (0.0547, 0.094, 0.1716, 0.3676, 0.6364),
+                     (0.0871, 0.1086, 0.194, 0.3889, 0.6671), (0.1374, 0.1581, 0.2278, 0.4548, 0.7156))
+XEON_W4A16_GRID = ((0.0, 0.0197, 0.0352, 0.1428), (0.0086, 0.0237, 0.0414, 0.147), (0.0174, 0.0323, 0.0501, 0.1672),
+                   (0.0445, 0.0597, 0.0793, 0.1917))
+ROWS = (0.0, 1.0, 4.0, 16.0)
+
+
+def test_a_grid_that_ends_before_the_efficient_step_is_widened_until_the_cells_level_off() -> None:
+    """bf16 over 16/64/256 tokens: the prefill rate still climbs at 256 (64 tokens run at 0.42 of its
+    rate) and both lines put 90% of their best past it, so the calibration measures 512 (and 1,024
+    while 256 stays under 90% of 512's rate). With 512 and 1,024 measured, 512 runs at 0.96 of
+    1,024's rate: nothing more. fp32's 256 runs at 0.97 of 512's; w4a16's lines reach 90% within
+    its grid."""
+    assert efficient_step_past_table(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0), XEON_BF16_GRID))
+    assert efficient_step_past_table(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0, 512.0), tuple(
+        row[:5] for row in XEON_BF16_WIDENED)))
+    assert not efficient_step_past_table(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0, 512.0, 1024.0), XEON_BF16_WIDENED))
+    assert not efficient_step_past_table(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0, 512.0), XEON_FP32_WIDENED))
+    assert not efficient_step_past_table(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0), XEON_W4A16_GRID))
+    # One prefill column: nothing to fit, nothing to widen.
+    assert not efficient_step_past_table(TableCost((0.0, 1.0), (0.0, 64.0), ((0.0, 0.32), (0.01, 0.33))))
+
+
+def test_where_the_lines_reach_the_last_column_the_measured_rates_decide() -> None:
+    """On the widened bf16 table both lines put the efficient step at 1,024 tokens (a 762 ms target);
+    the cells say 512 tokens already runs at 0.96 of 1,024's rate, so the step is 512 and the target
+    its time beside 8 decodes. Served on that host the 24-request burst ran at 0.75 of budget 1,024's
+    throughput with the 256-token grid's limits (bench/results/derived_defaults.md). fp32 keeps 256 (0.97
+    of 512's rate); a table whose last column is the only efficient one keeps it."""
+    widened = TableCost(ROWS, (0.0, 16.0, 64.0, 256.0, 512.0, 1024.0), XEON_BF16_WIDENED)
+    assert _prefill_step(widened, [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024], 0) == 1024
+    assert efficient_prefill_step(widened, 256) == (512, 406.2, False)
+    limits = derive_scheduler_limits(resolve_config(None, []).scheduler, widened)
+    assert (limits.prefill_chunk_size, limits.itl_target_ms) == (512, 406.2) and limits.token_budget > 512
+    fp32 = TableCost(ROWS, (0.0, 16.0, 64.0, 256.0, 512.0), XEON_FP32_WIDENED)
+    assert efficient_prefill_step(fp32, 256)[0] == 256
+    # The 256-token grid alone: the lines' last column, and its cells agree (the rate climbs to it).
+    assert efficient_prefill_step(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0), XEON_BF16_GRID), 256)[0] == 256

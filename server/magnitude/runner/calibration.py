@@ -11,8 +11,9 @@ decode pays per context token beyond that length, a chunk deep in a long prompt 
 pair) and the swap rate. Its result is the simulator's `table` cost model document
 (sim/cost.py reads it; `GET /debug/cost-model` returns it). `calibrated_cost_model` is the engine's
 entry: the cached table for this model, weights and hardware, else a short measurement (the grid
-below and the attention figures: 32 s for SmolLM2 fp32 on two CPU cores, 30 s with w4a16: grid 21 s,
-its 256-token column 15 s of it, attention 8 s), reported as progress and written to
+below, widened where its prefill columns end before the efficient step, and the attention figures:
+on two Xeon cores with AMX, SmolLM2 w4a16-bf16prefill 5 s, fp32 22 s with a 512-token column added,
+bf16 23 s with 512 and 1,024), reported as progress and written to
 `$MAGNITUDE_CACHE/cost-models/<key>.json` — unless the load average exceeded this process's CPUs
 while measuring: such a table is used, not kept.
 
@@ -36,6 +37,7 @@ from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
 from magnitude.runner.attention_cost import materialize, measure_attention
 from magnitude.runner.swap_bandwidth import measure_swap
+from magnitude.sim.cost import TableCost, efficient_step_past_table
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "13"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+CALIBRATION_VERSION = "14"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
 # 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
@@ -66,6 +68,17 @@ CALIBRATION_VERSION = "13"  # 2: per_swap_token by measure_swap; 3: the attentio
 # 10: the fused step bounds chunk rows only (fused_decode.FUSED_MAX_CHUNK_ROWS): cells of many decodes beside a chunk run fused
 # 11: cells relative to a reference step run beside each (REFERENCE_DECODES)
 # 12-13: under w4a16-bf16prefill chunks of up to 512 rows and 150k keys run fused (fused_decode.*_BF16)
+# 14: wider prefill columns where the efficient step lies past the grid (CALIBRATION_WIDEST_PREFILL)
+
+# The grid's prefill columns are doubled, up to this many tokens, while the efficient prefill-only
+# step lies past the last one (sim/cost.py efficient_step_past_table): the default ITL target is
+# judged only within the measured columns. On two Intel Xeon cores with AMX, bf16 prefill-only
+# steps of 16, 64 and 256 tokens took 43, 114 and 205 ms (the rate still climbing at 256) and 512
+# and 1,024 tokens 351 and 736 ms (`magnitude profile --dtype bfloat16`, 2026-12-05): a table
+# ending at 256 derived a 256-token chunk, and those limits served the 24-request burst at 0.75 of
+# budget 1,024's throughput (bench/results/derived_defaults.md). Tables whose efficient step lies
+# within the grid (w4a16 there: about 200 tokens) measure nothing more.
+CALIBRATION_WIDEST_PREFILL = 1024
 
 # The reference step timed before and after every measured cell: one decode at the grid's context, the
 # cheapest step (one more step per measured cell: 18-20 ms each on two AVX2 EPYC cores, under a second
@@ -109,7 +122,7 @@ def _reference_plan(context: int, block_size: int, step: int) -> StepPlan:
 
 def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context: int, repeats: int,
                    progress: ProgressFn | None = None, attention: bool = True,
-                   agreement: float | None = None) -> dict:
+                   agreement: float | None = None, widest_prefill: int | None = None) -> dict:
     """The cost-model document for this runner (kind `table`). One unmeasured run of the largest
     cell (first-shape effects), then `repeats` passes over the grid, every measured cell between
     two runs of the reference step (_reference_plan; REFERENCE_DECODES says why): a cell's time is
@@ -119,48 +132,65 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
     burst of other load lands on one pass of a cell, which the median drops), and the table is made
     non-decreasing along both axes (more work never costs less), which the ITL bound's searches
     rely on. `progress(fraction)` after each measured cell (the grid is the first GRID_SHARE of the
-    work). `attention=False` leaves the attention figures out (a benchmark that reads only the
-    table's cells). `agreement` (the engine's CALIBRATION_AGREEMENT): passes after the second
-    measure only the cells whose relative times so far differ by more than that fraction of the
-    smallest."""
+    work; it holds still while widened columns catch up). `attention=False` leaves the attention
+    figures out (a benchmark that reads only the table's cells). `agreement` (the engine's
+    CALIBRATION_AGREEMENT): passes after the second measure only the cells whose relative times so
+    far differ by more than that fraction of the smallest. `widest_prefill` (the engine's
+    CALIBRATION_WIDEST_PREFILL, within its pool): while the efficient prefill-only step lies past
+    the last prefill column (efficient_step_past_table), a column of twice its tokens is measured
+    the same way, every decode row, up to that many tokens (`meta.widened` lists them)."""
     block_size = runner.block_size
+    prefills = list(prefills)
     materialize(runner, blocks_needed(decodes, prefills, context, block_size))
+    step_ids = itertools.count(1)
     runner.execute(_plan(max(decodes), max(prefills), context, block_size, 0))
-    cells = [(i, j) for i in range(len(decodes)) for j in range(len(prefills))]
     relative: list[list[list[float]]] = [[[] for _ in prefills] for _ in decodes]
     references: list[float] = []
-    step_ids = itertools.count(1)
+    widened: list[int] = []
 
     def reference() -> float:
         references.append(max(runner.execute(_reference_plan(context, block_size, next(step_ids))).duration_s, 1e-9))
         return references[-1]
 
-    done, total = 0, max(1, repeats) * len(cells) / (GRID_SHARE if attention else 1.0)
+    cells = [(i, j) for i in range(len(decodes)) for j in range(len(prefills))]
+    work = {"done": 0, "total": max(1, repeats) * len(cells) / (GRID_SHARE if attention else 1.0), "shown": 0.0}
     before = reference()
-    for n in range(max(1, repeats)):
-        for i, j in cells:
-            d, p = decodes[i], prefills[j]
-            so_far = relative[i][j]
-            settled = (agreement is not None and n >= 2 and bool(so_far)
-                       and max(so_far) <= (1.0 + agreement) * min(so_far))
-            if (d or p) and not settled:  # an empty step does nothing: leave it at the floor
-                took = runner.execute(_plan(d, p, context, block_size, next(step_ids))).duration_s
-                after = reference()
-                so_far.append(took / ((before + after) / 2.0))
-                before = after
-            done += 1
-            if progress is not None:
-                progress(done / total)
+
+    def measure(cells: list[tuple[int, int]]) -> None:
+        nonlocal before
+        for n in range(max(1, repeats)):
+            for i, j in cells:
+                d, p = decodes[i], prefills[j]
+                so_far = relative[i][j]
+                settled = (agreement is not None and n >= 2 and bool(so_far)
+                           and max(so_far) <= (1.0 + agreement) * min(so_far))
+                if (d or p) and not settled:  # an empty step does nothing: leave it at the floor
+                    took = runner.execute(_plan(d, p, context, block_size, next(step_ids))).duration_s
+                    after = reference()
+                    so_far.append(took / ((before + after) / 2.0))
+                    before = after
+                work["done"] += 1
+                if progress is not None and work["done"] / work["total"] > work["shown"]:
+                    work["shown"] = work["done"] / work["total"]
+                    progress(work["shown"])
+
+    measure(cells)
+    while (widest_prefill is not None and 0 < 2 * prefills[-1] <= widest_prefill
+           and efficient_step_past_table(_table(decodes, prefills, _seconds(relative, references)))):
+        prefills.append(2 * prefills[-1])
+        widened.append(prefills[-1])
+        for row in relative:
+            row.append([])
+        runner.execute(_plan(max(decodes), prefills[-1], context, block_size, 0))  # first shape, unmeasured (step 0)
+        cells = [(i, len(prefills) - 1) for i in range(len(decodes))]
+        work["total"] += max(1, repeats) * len(cells) / (GRID_SHARE if attention else 1.0)
+        measure(cells)
     scale = statistics.median(references)
-    seconds = [[max(statistics.median(v) * scale if v else 0.0, 1e-6) for v in row] for row in relative]
-    for i, row in enumerate(seconds):
-        for j in range(len(row)):
-            row[j] = max(row[j], row[j - 1] if j else 0.0, seconds[i - 1][j] if i else 0.0)
     doc = {
         "kind": "table",
         "decode_batch_sizes": decodes,
         "prefill_tokens": prefills,
-        "seconds": seconds,
+        "seconds": _seconds(relative, references),
         "per_swap_token": measure_swap(runner, max(1, repeats)).per_swap_token,
         "block_size": block_size,
         "meta": {
@@ -174,6 +204,7 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
             "agreement": agreement,
             "passes": sum(len(v) for row in relative for v in row),
             "reference_step_seconds": scale,
+            "widened": widened,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     }
@@ -182,6 +213,21 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
         if progress is not None:
             progress(1.0)
     return doc
+
+
+def _seconds(relative: list[list[list[float]]], references: list[float]) -> list[list[float]]:
+    """The table's cells: each cell's median relative time times the median reference, made
+    non-decreasing along both axes."""
+    scale = statistics.median(references)
+    seconds = [[max(statistics.median(v) * scale if v else 0.0, 1e-6) for v in row] for row in relative]
+    for i, row in enumerate(seconds):
+        for j in range(len(row)):
+            row[j] = max(row[j], row[j - 1] if j else 0.0, seconds[i - 1][j] if i else 0.0)
+    return seconds
+
+
+def _table(decodes: list[int], prefills: list[int], seconds: list[list[float]]) -> TableCost:
+    return TableCost(tuple(map(float, decodes)), tuple(map(float, prefills)), tuple(map(tuple, seconds)))
 
 
 def calibration_grid(runner: Any) -> tuple[list[int], list[int], int]:
@@ -199,6 +245,17 @@ def calibration_grid(runner: Any) -> tuple[list[int], list[int], int]:
     return decodes, prefills, context
 
 
+def widest_prefill(runner: Any, grid: tuple[list[int], list[int], int]) -> int:
+    """The widest prefill column the calibration may add (CALIBRATION_WIDEST_PREFILL, doubling the
+    grid's last): within the model's length and beside the grid's decodes in the KV pool."""
+    decodes, prefills, context = grid
+    widest = max(prefills)
+    while (0 < 2 * widest <= CALIBRATION_WIDEST_PREFILL and 2 * widest < runner.max_model_len
+           and blocks_needed(decodes, [*prefills, 2 * widest], context, runner.block_size) <= runner.num_blocks):
+        widest *= 2
+    return widest
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -210,10 +267,10 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int]) -> str:
+def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int], widest: int | None = None) -> str:
     """What the measured times depend on: model source and pinned revision, dtype, weight format,
     KV pool dtype, device, CPU model and ISA, torch version (quant_eval.cache_key adds the last two),
-    threads, the grid itself, and the low-bit kernels' build where the steps run on it (low-bit
+    threads, the grid itself and how far it may widen, and the low-bit kernels' build where the steps run on it (low-bit
     weights; a bf16 model whose steps run fused: runner/fused_decode.py)."""
     import torch
 
@@ -229,6 +286,7 @@ def cost_model_key(runner: Any, grid: tuple[list[int], list[int], int]) -> str:
         getattr(src, "source", "") or runner.model_name, getattr(src, "revision", "") or "",
         str(runner.dtype), getattr(runner, "quantization", "none") or "none", device, _cpu_model(),
         f"threads={torch.get_num_threads()}", f"block={runner.block_size}", json.dumps(grid),
+        *([f"widest={widest}"] if widest is not None else []),
         kernel_description(getattr(runner, "quantization", "none") or "none"),
         # named only when not fp32, so tables measured over an fp32 pool keep their keys
         *([f"kv={kv_dtype}"] if (kv_dtype := getattr(runner, "kv_cache_dtype", "float32")) != "float32" else []),
@@ -265,7 +323,8 @@ def save_cached(directory: Path, key: str, doc: dict) -> None:
 def calibrated_cost_model(runner: Any, cache_dir: Path | None, progress: ProgressFn | None = None) -> dict:
     """This runner's measured step-cost table: cached under `cache_dir` (None: always measure)."""
     grid = calibration_grid(runner)
-    key = cost_model_key(runner, grid) if cache_dir is not None else ""
+    widest = widest_prefill(runner, grid)
+    key = cost_model_key(runner, grid, widest) if cache_dir is not None else ""
     if cache_dir is not None:
         doc = load_cached(cache_dir, key)
         if doc is not None:
@@ -273,13 +332,15 @@ def calibrated_cost_model(runner: Any, cache_dir: Path | None, progress: Progres
             log.info("step-cost table from the cache (%s/%s.json)", cache_dir, key)
             return doc
     t0 = time.perf_counter()
-    doc = profile_runner(runner, *grid, repeats=CALIBRATION_REPEATS, progress=progress, agreement=CALIBRATION_AGREEMENT)
+    doc = profile_runner(runner, *grid, repeats=CALIBRATION_REPEATS, progress=progress, agreement=CALIBRATION_AGREEMENT,
+                         widest_prefill=widest)
     doc["meta"]["calibration_seconds"] = round(time.perf_counter() - t0, 3)
     doc["meta"]["cache_key"] = key or None
     busy = _busy()
     doc["meta"]["load_average"] = busy[0]
-    log.info("calibrated the step-cost table in %.1f s (%d cells)", doc["meta"]["calibration_seconds"],
-             len(grid[0]) * len(grid[1]))
+    log.info("calibrated the step-cost table in %.1f s (%d cells%s)", doc["meta"]["calibration_seconds"],
+             len(doc["decode_batch_sizes"]) * len(doc["prefill_tokens"]),
+             f"; prefill columns widened to {doc['meta']['widened']}" if doc["meta"]["widened"] else "")
     if cache_dir is not None and busy[1]:
         # Other processes inflated these times: use them now, but do not make every later start
         # of this model on this hardware inherit them.

@@ -565,14 +565,50 @@ def _fitted_step_costs(cost: CostModel, candidates: list[int], decodes: int) -> 
     return [(mt - b * mp, b), (statistics.median(t - median_b * p for p, t in points), median_b)]
 
 
-def _efficient_on_line(a: float, b: float, candidates: list[int]) -> int:
-    """The smallest candidate whose rate on the line t = a + b p, p / (a + b p), is within
-    PREFILL_EFFICIENCY of the line's best, 1 / b: p >= E / (1 - E) * a / b (the largest candidate
-    when none reaches it or more tokens cost nothing more; the smallest when there is no fixed cost)."""
+def _efficient_threshold(a: float, b: float) -> float:
+    """The fewest tokens whose rate on the line t = a + b p, p / (a + b p), is within
+    PREFILL_EFFICIENCY of the line's best, 1 / b: E / (1 - E) * a / b (infinite where more tokens
+    cost nothing more; 0 where there is no fixed cost)."""
     if b <= 0:
-        return candidates[-1]
-    threshold = PREFILL_EFFICIENCY / (1.0 - PREFILL_EFFICIENCY) * max(a, 0.0) / b
+        return math.inf
+    return PREFILL_EFFICIENCY / (1.0 - PREFILL_EFFICIENCY) * max(a, 0.0) / b
+
+
+def _efficient_on_line(a: float, b: float, candidates: list[int]) -> int:
+    """The smallest candidate at or past the line's _efficient_threshold (the largest candidate
+    when none reaches it)."""
+    threshold = _efficient_threshold(a, b)
     return min((c for c in candidates if c >= threshold), default=candidates[-1])
+
+
+def _column_rates(cost: CostModel, table: TableCost) -> dict[int, float]:
+    """Prefill-only steps' rates (tokens per second) at a table's measured prefill columns, as
+    `cost` predicts them (a served model: with what served steps add)."""
+    return {int(p): p / max(cost.seconds_for(0, int(p)), 1e-9) for p in table.prefill_tokens if p > 0}
+
+
+def efficient_step_past_table(table: TableCost) -> bool:
+    """Whether a table's prefill columns end before the efficient prefill-only step: on both lines
+    fitted through its prefill-only cells (_fitted_step_costs) a step of its largest column is
+    still short of PREFILL_EFFICIENCY of the line's best rate, and the cells agree: the column
+    before the last reaches less than that share of the last one's rate. The default target is
+    judged only within the measured columns (efficient_prefill_step), so such a table would pin it
+    to the last column whatever the steps past it cost; the engine's calibration measures wider
+    columns while this holds (runner/calibration.py, CALIBRATION_WIDEST_PREFILL). False with
+    fewer than two prefill-only cells (nothing to fit)."""
+    fits = _fitted_step_costs(table, [], 0)
+    rates = list(_column_rates(table, table).values())
+    top = max(table.prefill_tokens)
+    return (bool(fits) and all(_efficient_threshold(a, b) > top for a, b in fits)
+            and rates[-2] < PREFILL_EFFICIENCY * rates[-1])
+
+
+def _efficient_column(cost: CostModel, table: TableCost) -> int:
+    """The smallest measured prefill column whose prefill-only rate is at least PREFILL_EFFICIENCY
+    of the best column's (_column_rates)."""
+    rates = _column_rates(cost, table)
+    best = max(rates.values())
+    return min(p for p, r in rates.items() if r >= PREFILL_EFFICIENCY * best)
 
 
 def _prefill_efficiency(cost: CostModel, candidates: list[int], chunk: int) -> float:
@@ -601,7 +637,8 @@ def _prefill_step(cost: CostModel, candidates: list[int], decodes: int) -> int:
 def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float, bool]:
     """The default chunk, the ITL target in ms, and whether the chunk was raised for the decodes.
     The chunk: the efficient prefill-only step (_prefill_step with no decodes; candidates within a
-    table's measured range), lowered to the largest candidate predicted within READING_PACE_ITL_MS
+    table's measured range; where that is the last candidate, the smallest measured column within
+    PREFILL_EFFICIENCY of the best column's rate, _efficient_column), lowered to the largest candidate predicted within READING_PACE_ITL_MS
     beside d decodes where it is past that and the candidate keeps PACED_PREFILL_EFFICIENCY of the
     rate (_prefill_efficiency), raised where steps beside d = min(maxSequences, TYPICAL_DECODES)
     decodes are efficient only at a bigger size, to that size, but not past the largest candidate
@@ -614,6 +651,13 @@ def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, fl
     candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
     d = min(max_sequences, TYPICAL_DECODES)
     chunk = _prefill_step(cost, candidates, 0)
+    if isinstance(table, TableCost) and chunk == candidates[-1] and len(_column_rates(cost, table)) > 1:
+        # The lines put the step at (or past) the last column; a line's best rate is where its
+        # fixed cost vanishes, but attention grows with the square of a chunk, so measured rates
+        # level off first. The measured columns decide: on two Xeon cores with AMX (bf16) the lines
+        # through 16 ... 1,024 tokens put 90% of their best past 600 tokens, while 512 tokens
+        # already ran at 96% of 1,024's measured rate (runner/calibration.py).
+        chunk = min(chunk, _efficient_column(cost, table))
     # The pace is judged on what steps take (a bound's line), the target promised on the bound: a
     # margin for the steps' scatter scales every step alike, so the chunk it is judged on is the same.
     pace = cost.served if isinstance(cost, ServedBound) else cost
