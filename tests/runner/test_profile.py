@@ -198,14 +198,20 @@ class _CostRunner:
 
 
 def test_prefill_columns_are_widened_while_the_efficient_step_lies_past_them():
-    """50 ms a step and 0.5 ms a prompt token: 90% of the best rate takes 900 tokens, past the grid's
-    256, and 256 runs at 0.86 of 512's rate, so 512 is measured, then 1,024 (past 900: nothing
-    more), each at every decode row and as many passes as the grid's cells; within
-    `widest_prefill`, and not at all without it (`magnitude profile`: the columns asked for)."""
+    """50 ms a step and 0.5 ms a prompt token: 90% of the best rate takes 900 tokens. Past the grid's
+    256 (where 64 tokens run at 0.54 of 256's rate) 512 is measured; 256 runs at 0.86 of 512's rate,
+    so 1,024 is; 900 lies within 1,024 (and 512 runs at 0.92 of its rate): nothing more, with room
+    for 2,048. Each column at every decode row and as many passes as the grid's cells; within
+    `widest_prefill`, and not at all without it (`magnitude profile`: the columns asked for).
+    Progress never goes back, holds the widening's share from the start and reaches 1."""
     runner = _CostRunner(fixed=0.050, per_token=0.0005)
+    seen: list[float] = []
     doc = profile_runner(runner, [0, 1, 4], [0, 16, 64, 256], context=20, repeats=2, attention=False,
-                         widest_prefill=1024)
+                         widest_prefill=2048, progress=seen.append)
     assert doc["prefill_tokens"] == [0, 16, 64, 256, 512, 1024] and doc["meta"]["widened"] == [512, 1024]
+    assert seen == sorted(seen) and seen[-1] == pytest.approx(1.0)
+    # The grid's 12 cells x 2 passes of the 12 + 3 x 3 possible columns: 24/42 before any widening.
+    assert pytest.approx(24 / 42) in seen and seen[-2] == pytest.approx(36 / 42)
     assert all(runner.ran[(d, p)] == 2 for d in (0, 1, 4) for p in (512, 1024))
     # Each cell over the reference (one decode) times the median reference: the step's own seconds.
     assert doc["seconds"][2][5] == pytest.approx(0.050 + 4 * 0.002 + 1024 * 0.0005)

@@ -287,5 +287,9 @@ def test_where_the_lines_reach_the_last_column_the_measured_rates_decide() -> No
     assert (limits.prefill_chunk_size, limits.itl_target_ms) == (512, 406.2) and limits.token_budget > 512
     fp32 = TableCost(ROWS, (0.0, 16.0, 64.0, 256.0, 512.0), XEON_FP32_WIDENED)
     assert efficient_prefill_step(fp32, 256)[0] == 256
-    # The 256-token grid alone: the lines' last column, and its cells agree (the rate climbs to it).
-    assert efficient_prefill_step(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0), XEON_BF16_GRID), 256)[0] == 256
+    # Columns under the smallest candidate (16 tokens) do not decide: a table of 4- and 8-token
+    # columns keeps the lines' 16 and its budget, where a 4- or 8-token column would have been
+    # raised back to 16 as the whole step (budget 16).
+    tiny = TableCost((0.0, 1.0), (0.0, 4.0, 8.0), ((0.0, 0.024, 0.028), (0.01, 0.034, 0.038)))
+    assert efficient_prefill_step(tiny, 8) == (16, 116.0, False)
+    assert derive_scheduler_limits(resolve_config(None, []).scheduler, tiny).token_budget == 96

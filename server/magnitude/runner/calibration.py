@@ -37,7 +37,7 @@ from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
 from magnitude.runner.attention_cost import materialize, measure_attention
 from magnitude.runner.swap_bandwidth import measure_swap
-from magnitude.sim.cost import TableCost, efficient_step_past_table
+from magnitude.sim.cost import cost_model_from_document, efficient_step_past_table
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,13 @@ CALIBRATION_VERSION = "14"  # 2: per_swap_token by measure_swap; 3: the attentio
 
 # The grid's prefill columns are doubled, up to this many tokens, while the efficient prefill-only
 # step lies past the last one (sim/cost.py efficient_step_past_table): the default ITL target is
-# judged only within the measured columns. On two Intel Xeon cores with AMX, bf16 prefill-only
-# steps of 16, 64 and 256 tokens took 43, 114 and 205 ms (the rate still climbing at 256) and 512
-# and 1,024 tokens 351 and 736 ms (`magnitude profile --dtype bfloat16`, 2026-12-05): a table
-# ending at 256 derived a 256-token chunk, and those limits served the 24-request burst at 0.75 of
-# budget 1,024's throughput (bench/results/derived_defaults.md). Tables whose efficient step lies
-# within the grid (w4a16 there: about 200 tokens) measure nothing more.
+# judged only within the measured columns. On two Intel Xeon cores with AMX, the engine's bf16
+# calibration timed prefill-only steps of 16, 64 and 256 tokens at 38, 107 and 207 ms (the rate
+# still climbing at 256) and the widened 512 and 1,024 at 346 and 663 ms (2026-12-05,
+# tests/sim/test_cost.py): a table ending at 256 derived a 256-token chunk, and those limits served
+# the 24-request burst at 0.75 of budget 1,024's throughput, widened 0.92
+# (bench/results/derived_defaults.md). Tables whose efficient step lies within the grid (w4a16
+# there: 119-202 tokens on the two lines) measure nothing more.
 CALIBRATION_WIDEST_PREFILL = 1024
 
 # The reference step timed before and after every measured cell: one decode at the grid's context, the
@@ -131,8 +132,9 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
     jitter as these do (the fastest pass put replays of the engine's own traffic 6-12% fast; a
     burst of other load lands on one pass of a cell, which the median drops), and the table is made
     non-decreasing along both axes (more work never costs less), which the ITL bound's searches
-    rely on. `progress(fraction)` after each measured cell (the grid is the first GRID_SHARE of the
-    work; it holds still while widened columns catch up). `attention=False` leaves the attention
+    rely on. `progress(fraction)` after each measured cell (the grid and the columns it may widen
+    to are the first GRID_SHARE of the work; where it widens less, progress skips the rest).
+    `attention=False` leaves the attention
     figures out (a benchmark that reads only the table's cells). `agreement` (the engine's
     CALIBRATION_AGREEMENT): passes after the second measure only the cells whose relative times so
     far differ by more than that fraction of the smallest. `widest_prefill` (the engine's
@@ -153,7 +155,19 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
         return references[-1]
 
     cells = [(i, j) for i in range(len(decodes)) for j in range(len(prefills))]
-    work = {"done": 0, "total": max(1, repeats) * len(cells) / (GRID_SHARE if attention else 1.0), "shown": 0.0}
+    doublings = 0  # the columns the grid may widen to
+    while widest_prefill is not None and 0 < prefills[-1] << (doublings + 1) <= widest_prefill:
+        doublings += 1
+    planned = max(1, repeats) * (len(cells) + doublings * len(decodes))
+    work = {"done": 0, "shown": 0.0}
+
+    def advance(done: int) -> None:
+        work["done"] = done
+        fraction = done / planned * (GRID_SHARE if attention else 1.0)
+        if progress is not None and fraction > work["shown"]:
+            work["shown"] = fraction
+            progress(fraction)
+
     before = reference()
 
     def measure(cells: list[tuple[int, int]]) -> None:
@@ -169,22 +183,21 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
                     after = reference()
                     so_far.append(took / ((before + after) / 2.0))
                     before = after
-                work["done"] += 1
-                if progress is not None and work["done"] / work["total"] > work["shown"]:
-                    work["shown"] = work["done"] / work["total"]
-                    progress(work["shown"])
+                advance(work["done"] + 1)
 
     measure(cells)
     while (widest_prefill is not None and 0 < 2 * prefills[-1] <= widest_prefill
-           and efficient_step_past_table(_table(decodes, prefills, _seconds(relative, references)))):
+           and efficient_step_past_table(cost_model_from_document(
+               {"kind": "table", "decode_batch_sizes": decodes, "prefill_tokens": prefills,
+                "seconds": _seconds(relative, references)}))):
         prefills.append(2 * prefills[-1])
         widened.append(prefills[-1])
         for row in relative:
             row.append([])
         runner.execute(_plan(max(decodes), prefills[-1], context, block_size, 0))  # first shape, unmeasured (step 0)
-        cells = [(i, len(prefills) - 1) for i in range(len(decodes))]
-        work["total"] += max(1, repeats) * len(cells) / (GRID_SHARE if attention else 1.0)
-        measure(cells)
+        before = reference()  # each cell between the references beside it, as in the grid
+        measure([(i, len(prefills) - 1) for i in range(len(decodes))])
+    advance(planned)  # the columns not widened to
     scale = statistics.median(references)
     doc = {
         "kind": "table",
@@ -224,10 +237,6 @@ def _seconds(relative: list[list[list[float]]], references: list[float]) -> list
         for j in range(len(row)):
             row[j] = max(row[j], row[j - 1] if j else 0.0, seconds[i - 1][j] if i else 0.0)
     return seconds
-
-
-def _table(decodes: list[int], prefills: list[int], seconds: list[list[float]]) -> TableCost:
-    return TableCost(tuple(map(float, decodes)), tuple(map(float, prefills)), tuple(map(tuple, seconds)))
 
 
 def calibration_grid(runner: Any) -> tuple[list[int], list[int], int]:

@@ -581,10 +581,21 @@ def _efficient_on_line(a: float, b: float, candidates: list[int]) -> int:
     return min((c for c in candidates if c >= threshold), default=candidates[-1])
 
 
-def _column_rates(cost: CostModel, table: TableCost) -> dict[int, float]:
-    """Prefill-only steps' rates (tokens per second) at a table's measured prefill columns, as
+def _rates(cost: CostModel, sizes: Sequence[int], decodes: int = 0) -> dict[int, float]:
+    """The rates (prompt tokens per second) of steps of each size beside `decodes` decodes, as
     `cost` predicts them (a served model: with what served steps add)."""
-    return {int(p): p / max(cost.seconds_for(0, int(p)), 1e-9) for p in table.prefill_tokens if p > 0}
+    return {p: p / max(cost.seconds_for(decodes, p), 1e-9) for p in sizes}
+
+
+def _efficient_by_rate(cost: CostModel, sizes: Sequence[int], decodes: int = 0) -> int:
+    """The smallest size whose rate (_rates) is at least PREFILL_EFFICIENCY of the best size's."""
+    rates = _rates(cost, sizes, decodes)
+    best = max(rates.values())
+    return min(p for p, r in rates.items() if r >= PREFILL_EFFICIENCY * best)
+
+
+def _columns(table: TableCost) -> list[int]:
+    return [int(p) for p in table.prefill_tokens if p > 0]
 
 
 def efficient_step_past_table(table: TableCost) -> bool:
@@ -597,18 +608,10 @@ def efficient_step_past_table(table: TableCost) -> bool:
     columns while this holds (runner/calibration.py, CALIBRATION_WIDEST_PREFILL). False with
     fewer than two prefill-only cells (nothing to fit)."""
     fits = _fitted_step_costs(table, [], 0)
-    rates = list(_column_rates(table, table).values())
+    rates = list(_rates(table, _columns(table)).values())
     top = max(table.prefill_tokens)
     return (bool(fits) and all(_efficient_threshold(a, b) > top for a, b in fits)
             and rates[-2] < PREFILL_EFFICIENCY * rates[-1])
-
-
-def _efficient_column(cost: CostModel, table: TableCost) -> int:
-    """The smallest measured prefill column whose prefill-only rate is at least PREFILL_EFFICIENCY
-    of the best column's (_column_rates)."""
-    rates = _column_rates(cost, table)
-    best = max(rates.values())
-    return min(p for p, r in rates.items() if r >= PREFILL_EFFICIENCY * best)
 
 
 def _prefill_efficiency(cost: CostModel, candidates: list[int], chunk: int) -> float:
@@ -617,8 +620,7 @@ def _prefill_efficiency(cost: CostModel, candidates: list[int], chunk: int) -> f
     fits = _fitted_step_costs(cost, candidates, 0)
     if fits:
         return max(1.0 if b <= 0 else chunk / (chunk + max(a, 0.0) / b) for a, b in fits)
-    rate = {c: c / max(cost.seconds_for(0, c), 1e-9) for c in candidates}
-    return (chunk / max(cost.seconds_for(0, chunk), 1e-9)) / max(rate.values())
+    return _rates(cost, [chunk])[chunk] / max(_rates(cost, candidates).values())
 
 
 def _prefill_step(cost: CostModel, candidates: list[int], decodes: int) -> int:
@@ -630,15 +632,15 @@ def _prefill_step(cost: CostModel, candidates: list[int], decodes: int) -> int:
         # Where the two lines disagree, the smaller step: too big a chunk stalls every running
         # stream for longer, too small a one gives up at most the efficiency margin's throughput.
         return min(_efficient_on_line(a, b, candidates) for a, b in fits)
-    rate = {c: c / max(cost.seconds_for(decodes, c), 1e-9) for c in candidates}
-    return min(c for c in candidates if rate[c] >= PREFILL_EFFICIENCY * max(rate.values()))
+    return _efficient_by_rate(cost, candidates, decodes)
 
 
 def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float, bool]:
     """The default chunk, the ITL target in ms, and whether the chunk was raised for the decodes.
     The chunk: the efficient prefill-only step (_prefill_step with no decodes; candidates within a
-    table's measured range; where that is the last candidate, the smallest measured column within
-    PREFILL_EFFICIENCY of the best column's rate, _efficient_column), lowered to the largest candidate predicted within READING_PACE_ITL_MS
+    table's measured range; where that is the last candidate, the smallest measured column of at
+    least the first candidate's tokens within PREFILL_EFFICIENCY of the best such column's rate,
+    _efficient_by_rate), lowered to the largest candidate predicted within READING_PACE_ITL_MS
     beside d decodes where it is past that and the candidate keeps PACED_PREFILL_EFFICIENCY of the
     rate (_prefill_efficiency), raised where steps beside d = min(maxSequences, TYPICAL_DECODES)
     decodes are efficient only at a bigger size, to that size, but not past the largest candidate
@@ -651,13 +653,14 @@ def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, fl
     candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
     d = min(max_sequences, TYPICAL_DECODES)
     chunk = _prefill_step(cost, candidates, 0)
-    if isinstance(table, TableCost) and chunk == candidates[-1] and len(_column_rates(cost, table)) > 1:
-        # The lines put the step at (or past) the last column; a line's best rate is where its
-        # fixed cost vanishes, but attention grows with the square of a chunk, so measured rates
-        # level off first. The measured columns decide: on two Xeon cores with AMX (bf16) the lines
-        # through 16 ... 1,024 tokens put 90% of their best past 600 tokens, while 512 tokens
-        # already ran at 96% of 1,024's measured rate (runner/calibration.py).
-        chunk = min(chunk, _efficient_column(cost, table))
+    columns = [p for p in _columns(table) if p >= candidates[0]] if isinstance(table, TableCost) else []
+    if chunk == candidates[-1] and len(columns) > 1:
+        # The lines put the step at (or past) the largest candidate within the table; a line's best
+        # rate is where its fixed cost vanishes, but attention grows with the square of a chunk, so
+        # measured rates level off first. The measured columns decide: on two Xeon cores with AMX
+        # (bf16) the lines through 16 ... 1,024 tokens put 90% of their best past 600 tokens, while
+        # 512 tokens already ran at 96% of 1,024's measured rate (runner/calibration.py).
+        chunk = min(chunk, _efficient_by_rate(cost, columns))
     # The pace is judged on what steps take (a bound's line), the target promised on the bound: a
     # margin for the steps' scatter scales every step alike, so the chunk it is judged on is the same.
     pace = cost.served if isinstance(cost, ServedBound) else cost
