@@ -198,27 +198,31 @@ class _CostRunner:
 
 
 def test_prefill_columns_are_widened_while_the_efficient_step_lies_past_them():
-    """50 ms a step and 0.5 ms a prompt token: 90% of the best rate takes 900 tokens. Past the grid's
-    256 (where 64 tokens run at 0.54 of 256's rate) 512 is measured; 256 runs at 0.86 of 512's rate,
-    so 1,024 is; 900 lies within 1,024 (and 512 runs at 0.92 of its rate): nothing more, with room
-    for 2,048. Each column at every decode row and as many passes as the grid's cells; within
+    """50 ms a step and 0.2 ms a prompt token: 90% of the best rate takes 2,250 tokens, past the
+    grid's 256 (where 64 tokens run at 0.40 of 256's rate), so 512 is measured, then 1,024 (512 at
+    0.84 of its rate); 2,048 would take 460 ms, past twice reading pace: nothing more, with room for
+    it. Each column at every decode row and as many passes as the grid's cells; within
     `widest_prefill`, and not at all without it (`magnitude profile`: the columns asked for).
     Progress never goes back, holds the widening's share from the start and reaches 1."""
-    runner = _CostRunner(fixed=0.050, per_token=0.0005)
+    runner = _CostRunner(fixed=0.050, per_token=0.0002)
     seen: list[float] = []
     doc = profile_runner(runner, [0, 1, 4], [0, 16, 64, 256], context=20, repeats=2, attention=False,
                          widest_prefill=2048, progress=seen.append)
     assert doc["prefill_tokens"] == [0, 16, 64, 256, 512, 1024] and doc["meta"]["widened"] == [512, 1024]
+    assert all(runner.ran[(d, p)] == 2 for d in (0, 1, 4) for p in (512, 1024))
+    # Each cell over the reference (one decode) times the median reference: the step's own seconds.
+    assert doc["seconds"][2][5] == pytest.approx(0.050 + 4 * 0.002 + 1024 * 0.0002)
     assert seen == sorted(seen) and seen[-1] == pytest.approx(1.0)
     # The grid's 12 cells x 2 passes of the 12 + 3 x 3 possible columns: 24/42 before any widening.
     assert pytest.approx(24 / 42) in seen and seen[-2] == pytest.approx(36 / 42)
-    assert all(runner.ran[(d, p)] == 2 for d in (0, 1, 4) for p in (512, 1024))
-    # Each cell over the reference (one decode) times the median reference: the step's own seconds.
-    assert doc["seconds"][2][5] == pytest.approx(0.050 + 4 * 0.002 + 1024 * 0.0005)
-    capped = profile_runner(_CostRunner(0.050, 0.0005), [0, 1], [0, 16, 64, 256], context=20, repeats=1,
+    # 0.5 ms a token: 1,024 tokens would take 562 ms, so only 512 is measured (90% still at 900).
+    dear = profile_runner(_CostRunner(0.050, 0.0005), [0, 1], [0, 16, 64, 256], context=20, repeats=1,
+                          attention=False, widest_prefill=2048)
+    assert dear["meta"]["widened"] == [512]
+    capped = profile_runner(_CostRunner(0.050, 0.0002), [0, 1], [0, 16, 64, 256], context=20, repeats=1,
                             attention=False, widest_prefill=512)
     assert capped["prefill_tokens"] == [0, 16, 64, 256, 512]
-    unasked = profile_runner(_CostRunner(0.050, 0.0005), [0, 1], [0, 16, 64, 256], context=20, repeats=1,
+    unasked = profile_runner(_CostRunner(0.050, 0.0002), [0, 1], [0, 16, 64, 256], context=20, repeats=1,
                              attention=False)
     assert unasked["prefill_tokens"] == [0, 16, 64, 256] and unasked["meta"]["widened"] == []
     # 2 ms a step: 90% of the rate at 36 tokens, within the grid: nothing measured past it.

@@ -246,7 +246,8 @@ def test_the_step_is_raised_for_the_decodes_up_to_reading_pace() -> None:
 
 # Start-up calibrations on one 2-core Intel Xeon with AMX (2026-12-05), decodes 0/1/4/16: bf16 over
 # the 16/64/256 grid (17:40), the same with the 512 and 1,024 columns the calibration then added
-# (19:25), fp32 with 512 added (19:28), and w4a16-bf16prefill, which added none (19:28).
+# (19:25), fp32 with 512 added (19:28), and w4a16-bf16prefill, which added none (19:28); the
+# widened columns were measured before CALIBRATION_WIDEST_STEP_S bounded them.
 XEON_BF16_GRID = ((0.0, 0.0342, 0.112, 0.1885), (0.0165, 0.0416, 0.1189, 0.2183), (0.0275, 0.0459, 0.1407, 0.2245),
                   (0.0516, 0.0691, 0.1634, 0.2602))
 XEON_BF16_WIDENED = ((0.0, 0.0376, 0.1073, 0.2065, 0.3458, 0.6631), (0.0194, 0.0464, 0.1319, 0.2351, 0.379, 0.6903),
@@ -260,10 +261,12 @@ ROWS = (0.0, 1.0, 4.0, 16.0)
 
 def test_a_grid_that_ends_before_the_efficient_step_is_widened_until_the_cells_level_off() -> None:
     """bf16 over 16/64/256 tokens: the prefill rate still climbs at 256 (64 tokens run at 0.42 of its
-    rate) and both lines put 90% of their best past it, so the calibration measures 512 (and 1,024
-    while 256 stays under 90% of 512's rate). With 512 and 1,024 measured, 512 runs at 0.96 of
-    1,024's rate: nothing more. fp32's 256 runs at 0.97 of 512's; w4a16's lines reach 90% within
-    its grid."""
+    rate) and both lines put 90% of their best past it, so the calibration measures 512 (a 290 ms
+    step on the table's line), and past 512 still (256 under 90% of 512's rate), but 1,024 would
+    take 624 ms, past twice reading pace (runner/calibration.py, CALIBRATION_WIDEST_STEP_S). With
+    512 and 1,024 measured (before that bound), 512 runs at 0.96 of 1,024's rate: nothing more.
+    fp32's 256 runs at 0.97 of 512's (its 512 would now not be measured: 559 ms); w4a16's lines
+    reach 90% within its grid."""
     assert efficient_step_past_table(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0), XEON_BF16_GRID))
     assert efficient_step_past_table(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0, 512.0), tuple(
         row[:5] for row in XEON_BF16_WIDENED)))
@@ -280,6 +283,9 @@ def test_where_the_lines_reach_the_last_column_the_measured_rates_decide() -> No
     its time beside 8 decodes. Served on that host the 24-request burst ran at 0.75 of budget 1,024's
     throughput with the 256-token grid's limits (bench/results/derived_defaults.md). fp32 keeps 256 (0.97
     of 512's rate); a table whose last column is the only efficient one keeps it."""
+    # What the calibration now measures on that host, 512 the last column: 512 (256 at 0.84 of its rate).
+    assert efficient_prefill_step(TableCost(ROWS, (0.0, 16.0, 64.0, 256.0, 512.0),
+                                            tuple(row[:5] for row in XEON_BF16_WIDENED)), 256) == (512, 406.2, False)
     widened = TableCost(ROWS, (0.0, 16.0, 64.0, 256.0, 512.0, 1024.0), XEON_BF16_WIDENED)
     assert _prefill_step(widened, [16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024], 0) == 1024
     assert efficient_prefill_step(widened, 256) == (512, 406.2, False)

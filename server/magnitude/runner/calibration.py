@@ -37,7 +37,7 @@ from magnitude.engine.output import ScheduledSeq, StepPlan
 from magnitude.engine.sampling import SamplingParams
 from magnitude.runner.attention_cost import materialize, measure_attention
 from magnitude.runner.swap_bandwidth import measure_swap
-from magnitude.sim.cost import cost_model_from_document, efficient_step_past_table
+from magnitude.sim.cost import READING_PACE_ITL_MS, cost_model_from_document, efficient_step_past_table
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "14"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+CALIBRATION_VERSION = "15"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
 # 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
@@ -69,6 +69,7 @@ CALIBRATION_VERSION = "14"  # 2: per_swap_token by measure_swap; 3: the attentio
 # 11: cells relative to a reference step run beside each (REFERENCE_DECODES)
 # 12-13: under w4a16-bf16prefill chunks of up to 512 rows and 150k keys run fused (fused_decode.*_BF16)
 # 14: wider prefill columns where the efficient step lies past the grid (CALIBRATION_WIDEST_PREFILL)
+# 15: not where the wider column's step would pass CALIBRATION_WIDEST_STEP_S
 
 # The grid's prefill columns are doubled, up to this many tokens, while the efficient prefill-only
 # step lies past the last one (sim/cost.py efficient_step_past_table): the default ITL target is
@@ -80,6 +81,13 @@ CALIBRATION_VERSION = "14"  # 2: per_swap_token by measure_swap; 3: the attentio
 # (bench/results/derived_defaults.md). Tables whose efficient step lies within the grid (w4a16
 # there: 119-202 tokens on the two lines) measure nothing more.
 CALIBRATION_WIDEST_PREFILL = 1024
+# Nor is a column measured whose prefill-only step the last two columns' line puts past twice
+# reading pace: such a step is a stall no default should choose. fp32 on those cores (256 tokens
+# 328 ms, 512 tokens 600 ms) widened to 512, and then the derived step moved between 256 and 512
+# tokens (targets of about 480 and 739 ms) as the served line's fixed cost moved, and the
+# simulator's ITL p50 of its replays ran 0.57-0.77 and 1.15 of the engine's
+# (bench/results/sim_fidelity.md, 2026-12-05 20:21-20:27).
+CALIBRATION_WIDEST_STEP_S = 2 * READING_PACE_ITL_MS / 1000.0
 
 # The reference step timed before and after every measured cell: one decode at the grid's context, the
 # cheapest step (one more step per measured cell: 18-20 ms each on two AVX2 EPYC cores, under a second
@@ -139,8 +147,9 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
     CALIBRATION_AGREEMENT): passes after the second measure only the cells whose relative times so
     far differ by more than that fraction of the smallest. `widest_prefill` (the engine's
     CALIBRATION_WIDEST_PREFILL, within its pool): while the efficient prefill-only step lies past
-    the last prefill column (efficient_step_past_table), a column of twice its tokens is measured
-    the same way, every decode row, up to that many tokens (`meta.widened` lists them)."""
+    the last prefill column (efficient_step_past_table) and a step of twice its tokens is predicted
+    within CALIBRATION_WIDEST_STEP_S (_doubled_step_seconds), a column of that many tokens is
+    measured the same way, every decode row, up to `widest_prefill` (`meta.widened` lists them)."""
     block_size = runner.block_size
     prefills = list(prefills)
     materialize(runner, blocks_needed(decodes, prefills, context, block_size))
@@ -186,10 +195,11 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
                 advance(work["done"] + 1)
 
     measure(cells)
-    while (widest_prefill is not None and 0 < 2 * prefills[-1] <= widest_prefill
-           and efficient_step_past_table(cost_model_from_document(
-               {"kind": "table", "decode_batch_sizes": decodes, "prefill_tokens": prefills,
-                "seconds": _seconds(relative, references)}))):
+    while widest_prefill is not None and 0 < 2 * prefills[-1] <= widest_prefill:
+        table = cost_model_from_document({"kind": "table", "decode_batch_sizes": decodes, "prefill_tokens": prefills,
+                                          "seconds": _seconds(relative, references)})
+        if not efficient_step_past_table(table) or _doubled_step_seconds(table) > CALIBRATION_WIDEST_STEP_S:
+            break
         prefills.append(2 * prefills[-1])
         widened.append(prefills[-1])
         for row in relative:
@@ -226,6 +236,12 @@ def profile_runner(runner: Any, decodes: list[int], prefills: list[int], context
         if progress is not None:
             progress(1.0)
     return doc
+
+
+def _doubled_step_seconds(table: Any) -> float:
+    """A prefill-only step of twice the table's last column, on its line through the last two
+    columns (the table's own extrapolation)."""
+    return table.seconds_for(0, 2 * int(max(table.prefill_tokens)))
 
 
 def _seconds(relative: list[list[list[float]]], references: list[float]) -> list[list[float]]:
