@@ -12,8 +12,8 @@ pair) and the swap rate. Its result is the simulator's `table` cost model docume
 (sim/cost.py reads it; `GET /debug/cost-model` returns it). `calibrated_cost_model` is the engine's
 entry: the cached table for this model, weights and hardware, else a short measurement (the grid
 below, widened where its prefill columns end before the efficient step, and the attention figures:
-on two Xeon cores with AMX, SmolLM2 w4a16-bf16prefill 5 s, fp32 22 s with a 512-token column added,
-bf16 23 s with 512 and 1,024), reported as progress and written to
+on two Xeon cores with AMX, SmolLM2 w4a16-bf16prefill 5 s and fp32 14 s on the grid, bf16 12 s with
+a 512-token column added), reported as progress and written to
 `$MAGNITUDE_CACHE/cost-models/<key>.json` — unless the load average exceeded this process's CPUs
 while measuring: such a table is used, not kept.
 
@@ -77,7 +77,7 @@ CALIBRATION_VERSION = "15"  # 2: per_swap_token by measure_swap; 3: the attentio
 # calibration timed prefill-only steps of 16, 64 and 256 tokens at 38, 107 and 207 ms (the rate
 # still climbing at 256) and the widened 512 and 1,024 at 346 and 663 ms (2026-12-05,
 # tests/sim/test_cost.py): a table ending at 256 derived a 256-token chunk, and those limits served
-# the 24-request burst at 0.75 of budget 1,024's throughput, widened 0.92
+# the 24-request burst at 0.75 of budget 1,024's throughput, widened to 512 0.93
 # (bench/results/derived_defaults.md). Tables whose efficient step lies within the grid (w4a16
 # there: 119-202 tokens on the two lines) measure nothing more.
 CALIBRATION_WIDEST_PREFILL = 1024
