@@ -317,15 +317,18 @@ def test_a_step_with_short_chunks_runs_fused_and_matches(tmp_path):
     _close_caches(fused_cache, lean_cache, TINY_TOLERANCE)
 
 
-@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("mistral-sliding", 64), ("qwen2", 128)])
-def test_a_chunk_rows_result_is_its_result_as_a_lone_row(arch, head_dim, tmp_path):
+@pytest.mark.parametrize("arch,head_dim,kv_cache_dtype", [
+    ("llama", None, "float32"), ("mistral-sliding", 64, "float32"), ("qwen2", 128, "float32"),
+    ("mistral-sliding", 64, "float16"), ("qwen2", 128, "float16")])
+def test_a_chunk_rows_result_is_its_result_as_a_lone_row(arch, head_dim, kv_cache_dtype, tmp_path):
     """The chunk's rows are attended together (a pool block read once for all of them, in runs of
-    up to 16 rows); each row's result must still be what it is alone: the same step's row, bit for
-    bit, recomputed as a one-row step over the cache the chunk step left. Rows checked: the first,
-    one inside and the last of the first run, the first of the second run, the last; with an
-    8-token window the rows' key ranges differ."""
+    up to 16 rows, from a packed copy of each block's keys and values, a float16 pool's widened);
+    each row's result must still be what it is alone, read from the pool itself: the same step's
+    row, bit for bit, recomputed as a one-row step over the cache the chunk step left. Rows checked:
+    the first, one inside and the last of the first run, the first of the second run, the last; with
+    an 8-token window the rows' key ranges differ."""
     _native_or_skip()
-    runner = _runner(_tiny(arch, tmp_path / arch, head_dim), quantization="w4a16")
+    runner = _runner(_tiny(arch, tmp_path / arch, head_dim), quantization="w4a16", kv_cache_dtype=kv_cache_dtype)
     inner = runner.model.model
     assert fused_decoder(inner, lean_family(inner).window) is not None
     fused = paged_decoder(inner)
@@ -338,7 +341,7 @@ def test_a_chunk_rows_result_is_its_result_as_a_lone_row(arch, head_dim, tmp_pat
     with torch.inference_mode():
         together = fused(ids, pos, batch).clone()
         want = _lean(runner)(ids, pos, batch)  # rewrites the same K/V (to fp32 rounding)
-        assert _rel(together, want) < TINY_TOLERANCE
+        assert _rel(together, want) < (TINY_TOLERANCE if kv_cache_dtype == "float32" else FP16_POOL_TOLERANCE)
         fused(ids, pos, batch)  # the cache as the fused step leaves it
         for row in (1, 8, 16, 17, 20):
             position = int(pos[0, row])

@@ -1228,46 +1228,58 @@ static inline __m256 exp_nonpositive(__m256 x) {
    (set by its own position and the block boundaries), so its result is the same whichever rows and
    heads share the call, the batch or the thread. scores: R * nh * ld_s floats, ld_s >= the last
    row's key count (p0 + R). out's first lane holds each query's running maximum until the weighted
-   sum. The pool's elements are of type T, LOAD8(p) giving the 8 floats at p. */
-#define LOAD8_F32(p) _mm256_loadu_ps(p)
-#define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define DEFINE_ATTEND_AVX2(NAME, DIM, T, LOAD8)                                                    \
+   sum. The pool's elements are of type T, read as rows of type S (LOAD8(p): the 8 floats at p):
+   SEGMENT gives a block segment's keys (or values) of one KV head, the pool's own rows
+   (SEGMENT_KEEP) or, for a chunk over a float16 pool, an fp32 copy widened once per segment and KV
+   head (exactly: every float16 is a float), which all the call's rows and heads then read. A
+   chunk's run of 16 rows reads each key once per row and query head sharing its KV head, and
+   converted at every read a float16 query-key pair cost more than an fp32 one: a 128-token chunk
+   1,000 positions deep took 153.7 ms over a float16 pool and 142.4 over an fp32 one; on the widened
+   copy 125.7 (SmolLM2 w4a16-bf16prefill, two AMX Xeon cores, both builds in one process, steps
+   interleaved: bench/results/runner_llama.md S49-A). An fp32 pool's rows packed the same way
+   gained nothing (0.97-1.00x), nor did a decode's one row (see attend). */
+#define SEGMENT_KEEP(src, n, stride, dim, seg, widened, kvh) ((void)(seg), (void)(widened), (src))
+#define DEFINE_ATTEND_AVX2(NAME, DIM, T, S, SEGMENT, LOAD8, PACKED)                                \
 static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, int64_t ldq,  \
                  float *out, int64_t ldo, int64_t R, int64_t p0, const int64_t *table, int64_t h0, \
                  int64_t nh, int64_t rep, float *scores, int64_t ld_s) {                           \
     enum { NV = DIM / 8 };                                                                         \
     const int64_t bs = d->block_size, stride = d->kv_heads * DIM, last = p0 + R - 1;              \
     const __m128 scaling = _mm_set1_ps(d->scaling);                                                \
+    float seg[PACKED ? bs * DIM : 1];                                                              \
     for (int64_t i = 0; i < R; i++)                                                                \
         for (int64_t j = 0; j < nh; j++) out[i * ldo + j * DIM] = -INFINITY;                       \
     for (int64_t p = first_key(p0, L->window); p <= last;) {                                       \
         int64_t blk = p / bs, in = p % bs, n = bs - in < last + 1 - p ? bs - in : last + 1 - p;    \
         const T *k0 = (const T *)L->k_cache + (table[blk] * bs + in) * stride;                    \
-        for (int64_t j = 0; j < nh; j++)                                                           \
+        for (int64_t j = 0, widened = -1; j < nh; j++) {                                           \
+            const int64_t kvh = (h0 + j) / rep;                                                    \
+            const S *kseg = SEGMENT(k0 + kvh * DIM, n, stride, DIM, seg, &widened, kvh);           \
+            const int64_t kst = PACKED ? DIM : stride;                                             \
             for (int64_t i = 0; i < R; i++) {                                                      \
                 int64_t lo, hi;                                                                    \
                 const int64_t fi = keys_in_segment(p, n, p0 + i, L->window, &lo, &hi);             \
                 if (lo >= hi) continue;                                                            \
                 const float *qj = q + i * ldq + j * DIM;                                           \
-                const T *kt = k0 + (lo - p) * stride + (h0 + j) / rep * DIM;                       \
+                const S *kt = kseg + (lo - p) * kst;                                               \
                 float *sj = scores + (i * nh + j) * ld_s, *oj = out + i * ldo + j * DIM;           \
                 __m128 mx4 = _mm_set1_ps(oj[0]);                                                   \
                 int64_t key = lo;                                                                  \
-                for (; key + 4 <= hi; key += 4, kt += 4 * stride) {                                \
+                for (; key + 4 <= hi; key += 4, kt += 4 * kst) {                                   \
                     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                    \
                     for (int e = 0; e < NV; e++) {                                                 \
                         __m256 qe = _mm256_loadu_ps(qj + 8 * e);                                   \
                         a0 = _mm256_fmadd_ps(qe, LOAD8(kt + 8 * e), a0);                           \
-                        a1 = _mm256_fmadd_ps(qe, LOAD8(kt + stride + 8 * e), a1);                  \
-                        a2 = _mm256_fmadd_ps(qe, LOAD8(kt + 2 * stride + 8 * e), a2);              \
-                        a3 = _mm256_fmadd_ps(qe, LOAD8(kt + 3 * stride + 8 * e), a3);              \
+                        a1 = _mm256_fmadd_ps(qe, LOAD8(kt + kst + 8 * e), a1);                     \
+                        a2 = _mm256_fmadd_ps(qe, LOAD8(kt + 2 * kst + 8 * e), a2);                 \
+                        a3 = _mm256_fmadd_ps(qe, LOAD8(kt + 3 * kst + 8 * e), a3);                 \
                     }                                                                              \
                     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));     \
                     __m128 s = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), scaling); \
                     _mm_storeu_ps(sj + (key - fi), s);                                             \
                     mx4 = _mm_max_ps(mx4, s);                                                      \
                 }                                                                                  \
-                for (; key < hi; key++, kt += stride) {                                            \
+                for (; key < hi; key++, kt += kst) {                                               \
                     __m256 acc = _mm256_setzero_ps();                                              \
                     for (int e = 0; e < NV; e++)                                                   \
                         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * e), LOAD8(kt + 8 * e), acc); \
@@ -1279,6 +1291,7 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
                 mx4 = _mm_max_ps(mx4, _mm_shuffle_ps(mx4, mx4, 1));                                \
                 oj[0] = _mm_cvtss_f32(mx4);                                                        \
             }                                                                                      \
+        }                                                                                          \
         p += n;                                                                                    \
     }                                                                                              \
     float inv[R * nh];                                                                             \
@@ -1303,22 +1316,26 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
     for (int64_t p = first_key(p0, L->window); p <= last;) {                                       \
         int64_t blk = p / bs, in = p % bs, n = bs - in < last + 1 - p ? bs - in : last + 1 - p;    \
         const T *v0 = (const T *)L->v_cache + (table[blk] * bs + in) * stride;                    \
-        for (int64_t j = 0; j < nh; j++)                                                           \
+        for (int64_t j = 0, widened = -1; j < nh; j++) {                                           \
+            const int64_t kvh = (h0 + j) / rep;                                                    \
+            const S *vseg = SEGMENT(v0 + kvh * DIM, n, stride, DIM, seg, &widened, kvh);           \
+            const int64_t vst = PACKED ? DIM : stride;                                             \
             for (int64_t i = 0; i < R; i++) {                                                      \
                 int64_t lo, hi;                                                                    \
                 const int64_t fi = keys_in_segment(p, n, p0 + i, L->window, &lo, &hi);             \
                 if (lo >= hi) continue;                                                            \
-                const T *vt = v0 + (lo - p) * stride + (h0 + j) / rep * DIM;                       \
+                const S *vt = vseg + (lo - p) * vst;                                               \
                 const float *sj = scores + (i * nh + j) * ld_s;                                    \
                 float *oj = out + i * ldo + j * DIM;                                               \
                 __m256 o[NV];                                                                      \
                 for (int e = 0; e < NV; e++) o[e] = _mm256_loadu_ps(oj + 8 * e);                   \
-                for (int64_t key = lo; key < hi; key++, vt += stride) {                            \
+                for (int64_t key = lo; key < hi; key++, vt += vst) {                               \
                     __m256 w = _mm256_broadcast_ss(sj + (key - fi));                               \
                     for (int e = 0; e < NV; e++) o[e] = _mm256_fmadd_ps(w, LOAD8(vt + 8 * e), o[e]); \
                 }                                                                                  \
                 for (int e = 0; e < NV; e++) _mm256_storeu_ps(oj + 8 * e, o[e]);                   \
             }                                                                                      \
+        }                                                                                          \
         p += n;                                                                                    \
     }                                                                                              \
     for (int64_t i = 0; i < R; i++)                                                                \
@@ -1328,11 +1345,26 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
                 _mm256_storeu_ps(oj, _mm256_mul_ps(_mm256_loadu_ps(oj), _mm256_set1_ps(inv[i * nh + j]))); \
             }                                                                                      \
 }
-DEFINE_ATTEND_AVX2(attend_64_avx2, 64, float, LOAD8_F32)
-DEFINE_ATTEND_AVX2(attend_128_avx2, 128, float, LOAD8_F32)
+#define LOAD8_F32(p) _mm256_loadu_ps(p)
+#define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+DEFINE_ATTEND_AVX2(attend_64_avx2, 64, float, float, SEGMENT_KEEP, LOAD8_F32, 0)
+DEFINE_ATTEND_AVX2(attend_128_avx2, 128, float, float, SEGMENT_KEEP, LOAD8_F32, 0)
 #ifdef __F16C__
-DEFINE_ATTEND_AVX2(attend_64_avx2_f16, 64, uint16_t, LOAD8_F16)
-DEFINE_ATTEND_AVX2(attend_128_avx2_f16, 128, uint16_t, LOAD8_F16)
+/* The n rows of dim float16 values (stride elements apart) as floats in seg, unless seg already
+   holds KV head kvh's (*widened). */
+static inline const float *segment_widen_f16(const uint16_t *src, int64_t n, int64_t stride, int64_t dim, float *seg,
+                                             int64_t *widened, int64_t kvh) {
+    if (*widened != kvh) {
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t e = 0; e < dim; e += 8) _mm256_storeu_ps(seg + t * dim + e, LOAD8_F16(src + t * stride + e));
+        *widened = kvh;
+    }
+    return seg;
+}
+DEFINE_ATTEND_AVX2(attend_64_avx2_f16, 64, uint16_t, uint16_t, SEGMENT_KEEP, LOAD8_F16, 0)
+DEFINE_ATTEND_AVX2(attend_128_avx2_f16, 128, uint16_t, uint16_t, SEGMENT_KEEP, LOAD8_F16, 0)
+DEFINE_ATTEND_AVX2(attend_64_avx2_f16_rows, 64, uint16_t, float, segment_widen_f16, LOAD8_F32, 1)
+DEFINE_ATTEND_AVX2(attend_128_avx2_f16_rows, 128, uint16_t, float, segment_widen_f16, LOAD8_F32, 1)
 #endif
 #endif
 
@@ -1344,12 +1376,21 @@ static void attend(const magnitude_dims *d, const magnitude_layer *L, const floa
                    int64_t ld_s) {
     const int64_t D = d->head_dim, rep = d->heads / d->kv_heads;
 #ifdef __AVX2__
-    if (!d->kv_f16 && D == 64) { attend_64_avx2(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
-    if (!d->kv_f16 && D == 128) { attend_128_avx2(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
+    /* Over a float16 pool a chunk's rows read widened copies of each block (DEFINE_ATTEND_AVX2); a
+       decode's one row reads the pool itself, converting as it goes: copying first cost it more. */
+    void (*fn)(const magnitude_dims *, const magnitude_layer *, const float *, int64_t, float *, int64_t, int64_t,
+               int64_t, const int64_t *, int64_t, int64_t, int64_t, float *, int64_t) = 0;
+    if (!d->kv_f16)
+        fn = D == 64 ? attend_64_avx2 : D == 128 ? attend_128_avx2 : 0;
 #ifdef __F16C__
-    if (d->kv_f16 && D == 64) { attend_64_avx2_f16(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
-    if (d->kv_f16 && D == 128) { attend_128_avx2_f16(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s); return; }
+    else
+        fn = D == 64 ? (R > 1 ? attend_64_avx2_f16_rows : attend_64_avx2_f16)
+           : D == 128 ? (R > 1 ? attend_128_avx2_f16_rows : attend_128_avx2_f16) : 0;
 #endif
+    if (fn) {
+        fn(d, L, qkv + h0 * D, ldq, out + h0 * D, ldo, R, p0, table, h0, h1 - h0, rep, scores, ld_s);
+        return;
+    }
 #endif
     (void)ld_s;
     for (int64_t i = 0; i < R; i++)
