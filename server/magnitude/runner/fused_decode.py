@@ -205,10 +205,18 @@ FUSED_MAX_CHUNK_KEYS = 64_000
 # 2,000 1.08x, 64 at 4,000 1.16x, 128 at 2,000 1.14x and 256 at 1,000 1.05x. Then beside 2-4
 # decodes at context 100 (`--batches 3 --contexts 100 --prefills 3+83@940,2+95@641,4+78@1080,
 # 4+128@1000` and `3+32@3000,3+64@1500,3+48@2500,3+100@1300,3+64@2000 --steps 5`, the long
-# trace's chunks): 78-136k keys 0.78-0.88x, and 64 at 2,000 0.91x this time. So the bound is
-# FUSED_MAX_CHUNK_KEYS_BF16, between the 136k that won and the 260k that lost.
+# trace's chunks): 78-136k keys 0.78-0.88x, and 64 at 2,000 0.91x this time. The bound was then
+# 150k keys, between the 136k that won and the 260k that lost. Since a chunk's rows over a float16
+# pool (w4a16-bf16prefill's) read each block widened once (lowbit_kernels.c, DEFINE_ATTEND_AVX2),
+# a deep chunk's fused step takes 0.81-0.84x the time, and on two AMX Xeon cores (same command,
+# `--batches 3 --contexts 100 --prefills 64@1000,64@2000,64@4000,128@2000,256@500,256@1000,
+# 3+100@1300`, two runs, 2026-12-05) fused against lean: 64 at 1,000 0.50x, at 2,000 0.65-0.81x,
+# at 4,000 (258k keys) 0.67-0.84x, 128 at 2,000 (264k) 0.70-1.01x, 256 at 500 (161k) 0.86-0.93x,
+# 3 decodes beside 100 at 1,300 0.69-0.74x, but 256 at 1,000 (289k) 1.12-1.18x and at 2,000 1.37x
+# (with many rows torch's attention products gain more than the fused step's per-row loops). So the
+# bound is FUSED_MAX_CHUNK_KEYS_BF16, past the 264k that did not lose and under the 289k that did.
 FUSED_MAX_CHUNK_ROWS_BF16 = 512
-FUSED_MAX_CHUNK_KEYS_BF16 = 150_000
+FUSED_MAX_CHUNK_KEYS_BF16 = 270_000
 # KV pools the C code reads and writes (kvCache.dtype float32 or float16; attention sums in fp32).
 FUSED_POOL_DTYPES = (torch.float32, torch.float16)
 
