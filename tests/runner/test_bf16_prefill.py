@@ -220,16 +220,20 @@ def test_its_fused_step_takes_longer_chunks_and_more_keys_than_w4a16s(bf16_kerne
     """Under w4a16-bf16prefill the fused step takes a step whose chunk has more rows than
     FUSED_MAX_CHUNK_ROWS, or attends to more keys than FUSED_MAX_CHUNK_KEYS, up to the _BF16
     bounds (its products are then as cheap in both forwards, and its attention still wins); a
-    w4a16 model's fused step declines the same step, and both decline one past the _BF16 bounds."""
+    w4a16 model's fused step declines the same step, and both decline one past the _BF16 bounds.
+    Over an fp32 pool, whose reads were not made cheaper, its keys stop at the _FP32_POOL bound."""
     from magnitude.runner.attention import SeqSlice, build_paged_batch
     from magnitude.runner.fused_decode import (
-        FUSED_MAX_CHUNK_KEYS, FUSED_MAX_CHUNK_KEYS_BF16, FUSED_MAX_CHUNK_ROWS, FUSED_MAX_CHUNK_ROWS_BF16, fused_decoder,
-        runs_fused)
+        FUSED_MAX_CHUNK_KEYS, FUSED_MAX_CHUNK_KEYS_BF16, FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL, FUSED_MAX_CHUNK_ROWS,
+        FUSED_MAX_CHUNK_ROWS_BF16, fused_decoder, runs_fused)
     from magnitude.runner.paged_decoder import lean_family
 
-    assert FUSED_MAX_CHUNK_ROWS_BF16 > FUSED_MAX_CHUNK_ROWS and FUSED_MAX_CHUNK_KEYS_BF16 > FUSED_MAX_CHUNK_KEYS
+    assert FUSED_MAX_CHUNK_ROWS_BF16 > FUSED_MAX_CHUNK_ROWS
+    assert FUSED_MAX_CHUNK_KEYS_BF16 > FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL > FUSED_MAX_CHUNK_KEYS
     path = build_tiny_model("llama", tmp_path / "l")
-    exact, bf16 = _runner(path, quantization="w4a16"), _runner(path, quantization="w4a16-bf16prefill")
+    exact = _runner(path, quantization="w4a16", kv_cache_dtype="float16")
+    bf16 = _runner(path, quantization="w4a16-bf16prefill", kv_cache_dtype="float16")
+    bf16_fp32_pool = _runner(path, quantization="w4a16-bf16prefill", kv_cache_dtype="float32")
 
     def batch(runner, seqs):  # (tokens cached, tokens this step); block tables are not read
         slices, offset = [], 0
@@ -238,16 +242,25 @@ def test_its_fused_step_takes_longer_chunks_and_more_keys_than_w4a16s(bf16_kerne
             offset += n
         return build_paged_batch(slices, 16, runner.kv.k_layers, runner.kv.v_layers, runner.device)
 
+    def deep(keys: int) -> int:  # 16 rows at s..s+15 attend to 16 s + 136 keys
+        return (keys - 136) // 16
+
     long_chunk = [(100, 1), (0, FUSED_MAX_CHUNK_ROWS + 1)]
-    deep = (FUSED_MAX_CHUNK_KEYS_BF16 - 136) // 16  # 16 rows at s..s+15 attend to 16 s + 136 keys
-    within, past = [(deep, 16)], [(deep + 1, 16)]
+    within, past = [(deep(FUSED_MAX_CHUNK_KEYS_BF16), 16)], [(deep(FUSED_MAX_CHUNK_KEYS_BF16) + 1, 16)]
+    within_fp32, past_fp32 = ([(deep(FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL), 16)],
+                              [(deep(FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL) + 1, 16)])
     assert not runs_fused(batch(exact, long_chunk)) and not runs_fused(batch(exact, within))
     chooses = {}
-    for name, runner in (("w4a16", exact), ("bf16", bf16)):
+    for name, runner in (("w4a16", exact), ("bf16", bf16), ("bf16 fp32 pool", bf16_fp32_pool)):
         inner = runner.model.model
         forward = fused_decoder(inner, lean_family(inner).window)
         chooses[name] = {k: forward.choose(batch(runner, seqs)) for k, seqs in
                          (("long", long_chunk), ("deep", within), ("past", past),
+                          ("deep fp32", within_fp32), ("past fp32", past_fp32),
                           ("too long", [(0, FUSED_MAX_CHUNK_ROWS_BF16 + 1)]))}
-    assert chooses["w4a16"] == {"long": False, "deep": False, "past": False, "too long": False}
-    assert chooses["bf16"] == {"long": True, "deep": True, "past": False, "too long": False}
+    assert chooses["w4a16"] == {"long": False, "deep": False, "past": False, "deep fp32": False, "past fp32": False,
+                                "too long": False}
+    assert chooses["bf16 fp32 pool"] == {"long": True, "deep": False, "past": False, "deep fp32": True,
+                                         "past fp32": False, "too long": False}
+    assert chooses["bf16"] == {"long": True, "deep": True, "past": False, "deep fp32": True, "past fp32": True,
+                               "too long": False}

@@ -322,9 +322,9 @@ def test_a_step_with_short_chunks_runs_fused_and_matches(tmp_path):
     ("mistral-sliding", 64, "float16"), ("qwen2", 128, "float16")])
 def test_a_chunk_rows_result_is_its_result_as_a_lone_row(arch, head_dim, kv_cache_dtype, tmp_path):
     """The chunk's rows are attended together (a pool block read once for all of them, in runs of
-    up to 16 rows, from a packed copy of each block's keys and values, a float16 pool's widened);
-    each row's result must still be what it is alone, read from the pool itself: the same step's
-    row, bit for bit, recomputed as a one-row step over the cache the chunk step left. Rows checked:
+    up to 16 rows; over a float16 pool from a copy of each block's keys and values widened to
+    fp32); each row's result must still be what it is alone, read from the pool itself: the same
+    step's row, bit for bit, recomputed as a one-row step over the cache the chunk step left. Rows checked:
     the first, one inside and the last of the first run, the first of the second run, the last; with
     an 8-token window the rows' key ranges differ."""
     _native_or_skip()

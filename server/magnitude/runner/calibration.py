@@ -70,7 +70,7 @@ CALIBRATION_VERSION = "16"  # 2: per_swap_token by measure_swap; 3: the attentio
 # 12-13: under w4a16-bf16prefill chunks of up to 512 rows and 150k keys run fused (fused_decode.*_BF16)
 # 14: wider prefill columns where the efficient step lies past the grid (CALIBRATION_WIDEST_PREFILL)
 # 15: not where the wider column's step would pass CALIBRATION_WIDEST_STEP_S
-# 16: under w4a16-bf16prefill chunks of up to 270k keys run fused (their attention on packed copies)
+# 16: under w4a16-bf16prefill over a float16 pool chunks of up to 270k keys run fused (their reads widened once)
 
 # The grid's prefill columns are doubled, up to this many tokens, while the efficient prefill-only
 # step lies past the last one (sim/cost.py efficient_step_past_table): the default ITL target is

@@ -205,23 +205,29 @@ FUSED_MAX_CHUNK_KEYS = 64_000
 # 2,000 1.08x, 64 at 4,000 1.16x, 128 at 2,000 1.14x and 256 at 1,000 1.05x. Then beside 2-4
 # decodes at context 100 (`--batches 3 --contexts 100 --prefills 3+83@940,2+95@641,4+78@1080,
 # 4+128@1000` and `3+32@3000,3+64@1500,3+48@2500,3+100@1300,3+64@2000 --steps 5`, the long
-# trace's chunks): 78-136k keys 0.78-0.88x, and 64 at 2,000 0.91x this time. The bound was then
-# 150k keys, between the 136k that won and the 260k that lost. Since a chunk's rows over a float16
-# pool (w4a16-bf16prefill's) read each block widened once (lowbit_kernels.c, DEFINE_ATTEND_AVX2),
-# a deep chunk's fused step takes 0.81-0.84x the time, and on two AMX Xeon cores (same command,
-# `--batches 3 --contexts 100 --prefills 64@1000,64@2000,64@4000,128@2000,256@500,256@1000,
-# 3+100@1300`, two runs, 2026-12-05) fused against lean: 64 at 1,000 0.50x, at 2,000 0.65-0.81x,
-# at 4,000 (258k keys) 0.67-0.84x, 128 at 2,000 (264k) 0.70-1.01x, 256 at 500 (161k) 0.86-0.93x,
-# 3 decodes beside 100 at 1,300 0.69-0.74x, but 256 at 1,000 (289k) 1.12-1.18x and at 2,000 1.37x
-# (with many rows torch's attention products gain more than the fused step's per-row loops). So the
-# bound is FUSED_MAX_CHUNK_KEYS_BF16, past the 264k that did not lose and under the 289k that did.
+# trace's chunks): 78-136k keys 0.78-0.88x, and 64 at 2,000 0.91x this time. So the bound was
+# 150k keys, between the 136k that won and the 260k that lost, and stays that over an fp32 pool
+# (an explicit kvCache.dtype float32: FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL). Over a float16 pool,
+# the default beside these weights, a chunk's rows now read each block segment widened to fp32
+# once per 16-row run and query head, not at every read (lowbit_kernels.c, DEFINE_ATTEND_AVX2):
+# deep chunks' fused steps 0.79-0.83x (bench/kernel_ab.py). Fused against lean then, two AMX Xeon
+# cores (same command, `--batches 3 --contexts 100 --prefills 64@1000,64@2000,64@4000,128@2000,
+# 256@500,256@1000,3+100@1300` and others, four runs, 2026-12-05, bench/results/runner_llama.md
+# S49-A): 64 at 1,000 0.50-0.52x, at 2,000 0.65-0.81x, at 4,000 (258k keys) 0.67-0.84x, 128 at
+# 2,000 (264k) 0.70-1.01x, 256 at 500 (161k) 0.86-0.93x, 3 decodes beside 100 at 1,300
+# 0.69-0.76x, but 256 at 1,000 (289k) 1.12-1.18x and at 2,000 1.37x (with many rows torch's
+# attention products gain more than the fused step's per-row loops). So over a float16 pool the
+# bound is FUSED_MAX_CHUNK_KEYS_BF16, past the 264k that was not slower and under the 289k that was.
 FUSED_MAX_CHUNK_ROWS_BF16 = 512
 FUSED_MAX_CHUNK_KEYS_BF16 = 270_000
+FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL = 150_000
 # KV pools the C code reads and writes (kvCache.dtype float32 or float16; attention sums in fp32).
 FUSED_POOL_DTYPES = (torch.float32, torch.float16)
 
 
 FUSED_BOUNDS_BF16PREFILL = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16, max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16)
+FUSED_BOUNDS_BF16PREFILL_FP32_POOL = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16,
+                                          max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL)
 # A bf16 model's products in the C code widen its weights to fp32 in registers and sum in fp32 FMAs,
 # where torch's bf16 products (oneDNN: AVX512-BF16 dot products, AMX tiles) take a chunk's many rows at
 # a fraction of the cost and its per-call work is what a few rows pay. Fused against lean, wall time,
@@ -252,6 +258,13 @@ def runs_fused(batch: PagedBatch, max_chunk_rows: int = FUSED_MAX_CHUNK_ROWS,
     return keys <= max_chunk_keys
 
 
+def runs_fused_bf16prefill(batch: PagedBatch) -> bool:
+    """runs_fused with w4a16-bf16prefill's bounds for the step's pool: FUSED_BOUNDS_BF16PREFILL over
+    a float16 one, FUSED_BOUNDS_BF16PREFILL_FP32_POOL over an fp32 one."""
+    float16 = bool(batch.k_layers) and batch.k_layers[0].dtype == torch.float16
+    return runs_fused(batch, **(FUSED_BOUNDS_BF16PREFILL if float16 else FUSED_BOUNDS_BF16PREFILL_FP32_POOL))
+
+
 def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                   choose: Callable[[PagedBatch], bool] = runs_fused) -> DecodeFn | None:
     """The fused forward for `inner` (already accepted by paged_decoder.lean_family, whose
@@ -259,7 +272,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     not SiLU, or neither fp32 with w4a16 (or w4a8) on Magnitude's kernels throughout nor bf16
     throughout on the CPU with the kernels built for AVX2 or AVX-512 (not where
     MAGNITUDE_LOWBIT_KERNEL=torch, the build failed or took the portable path). The forward returns the final norm's output in the model's dtype, or None for a
-    step `choose` declines (by default `runs_fused`, with FUSED_BOUNDS_BF16PREFILL under
+    step `choose` declines (by default `runs_fused`; runs_fused_bf16prefill under
     w4a16-bf16prefill and FUSED_BOUNDS_DENSE_BF16 for a bf16 model), for the caller to run the lean
     forward.
 
@@ -329,7 +342,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                 act_int8=int(kind == "int8"), dense_bf16=int(dense))
     bf16prefill = kind == "bf16prefill"  # its products read the step's marked rows
     if choose is runs_fused and (bf16prefill or dense):
-        choose = functools.partial(runs_fused, **(FUSED_BOUNDS_DENSE_BF16 if dense else FUSED_BOUNDS_BF16PREFILL))
+        choose = functools.partial(runs_fused, **FUSED_BOUNDS_DENSE_BF16) if dense else runs_fused_bf16prefill
     rope = _RopeTable(inner.rotary_emb)
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor | None:

@@ -1230,14 +1230,13 @@ static inline __m256 exp_nonpositive(__m256 x) {
    row's key count (p0 + R). out's first lane holds each query's running maximum until the weighted
    sum. The pool's elements are of type T, read as rows of type S (LOAD8(p): the 8 floats at p):
    SEGMENT gives a block segment's keys (or values) of one KV head, the pool's own rows
-   (SEGMENT_KEEP) or, for a chunk over a float16 pool, an fp32 copy widened once per segment and KV
-   head (exactly: every float16 is a float), which all the call's rows and heads then read. A
-   chunk's run of 16 rows reads each key once per row and query head sharing its KV head, and
-   converted at every read a float16 query-key pair cost more than an fp32 one: a 128-token chunk
-   1,000 positions deep took 153.7 ms over a float16 pool and 142.4 over an fp32 one; on the widened
-   copy 125.7 (SmolLM2 w4a16-bf16prefill, two AMX Xeon cores, both builds in one process, steps
-   interleaved: bench/results/runner_llama.md S49-A). An fp32 pool's rows packed the same way
-   gained nothing (0.97-1.00x), nor did a decode's one row (see attend). */
+   (SEGMENT_KEEP) or, for a chunk over a float16 pool, an fp32 copy widened once per call (exactly:
+   every float16 is a float), which the call's rows then read: a chunk's call is a run of up to 16
+   rows and one query head (attention_items), so each element is converted once per run and query
+   head instead of once per row. A 128-token chunk 1,000 positions deep took 0.82-0.83x the time,
+   2,000 deep 0.79-0.81x (SmolLM2 w4a16-bf16prefill, two AMX Xeon cores, both builds in one process:
+   bench/results/runner_llama.md S49-A). An fp32 pool's rows packed the same way gained nothing
+   (0.97-1.00x), nor did a decode's one row (see attend). */
 #define SEGMENT_KEEP(src, n, stride, dim, seg, widened, kvh) ((void)(seg), (void)(widened), (src))
 #define DEFINE_ATTEND_AVX2(NAME, DIM, T, S, SEGMENT, LOAD8, PACKED)                                \
 static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, int64_t ldq,  \
