@@ -12,8 +12,8 @@ pair) and the swap rate. Its result is the simulator's `table` cost model docume
 (sim/cost.py reads it; `GET /debug/cost-model` returns it). `calibrated_cost_model` is the engine's
 entry: the cached table for this model, weights and hardware, else a short measurement (the grid
 below, widened where its prefill columns end before the efficient step, and the attention figures:
-on two Xeon cores with AMX, SmolLM2 w4a16-bf16prefill 5 s and fp32 14 s on the grid, bf16 12 s with
-a 512-token column added), reported as progress and written to
+on two Xeon cores with AMX, SmolLM2 fp32 14 s on the grid, w4a16-bf16prefill 10 s and bf16 12 s
+with a 512-token column added), reported as progress and written to
 `$MAGNITUDE_CACHE/cost-models/<key>.json` — unless the load average exceeded this process's CPUs
 while measuring: such a table is used, not kept.
 

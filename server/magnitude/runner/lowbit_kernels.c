@@ -1238,14 +1238,14 @@ static inline __m256 exp_nonpositive(__m256 x) {
    bench/results/runner_llama.md S49-A). An fp32 pool's rows packed the same way gained nothing
    (0.97-1.00x), nor did a decode's one row (see attend). */
 #define SEGMENT_KEEP(src, n, stride, dim, seg, widened, kvh) ((void)(seg), (void)(widened), (src))
-#define DEFINE_ATTEND_AVX2(NAME, DIM, T, S, SEGMENT, LOAD8, PACKED)                                \
+#define DEFINE_ATTEND_AVX2(NAME, DIM, T, S, SEGMENT, LOAD8)                                        \
 static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float *q, int64_t ldq,  \
                  float *out, int64_t ldo, int64_t R, int64_t p0, const int64_t *table, int64_t h0, \
                  int64_t nh, int64_t rep, float *scores, int64_t ld_s) {                           \
     enum { NV = DIM / 8 };                                                                         \
     const int64_t bs = d->block_size, stride = d->kv_heads * DIM, last = p0 + R - 1;              \
     const __m128 scaling = _mm_set1_ps(d->scaling);                                                \
-    float seg[PACKED ? bs * DIM : 1];                                                              \
+    float seg[sizeof(S) != sizeof(T) ? bs * DIM : 1];  /* SEGMENT's copy, where rows are widened */ \
     for (int64_t i = 0; i < R; i++)                                                                \
         for (int64_t j = 0; j < nh; j++) out[i * ldo + j * DIM] = -INFINITY;                       \
     for (int64_t p = first_key(p0, L->window); p <= last;) {                                       \
@@ -1254,7 +1254,7 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
         for (int64_t j = 0, widened = -1; j < nh; j++) {                                           \
             const int64_t kvh = (h0 + j) / rep;                                                    \
             const S *kseg = SEGMENT(k0 + kvh * DIM, n, stride, DIM, seg, &widened, kvh);           \
-            const int64_t kst = PACKED ? DIM : stride;                                             \
+            const int64_t kst = sizeof(S) != sizeof(T) ? DIM : stride;                             \
             for (int64_t i = 0; i < R; i++) {                                                      \
                 int64_t lo, hi;                                                                    \
                 const int64_t fi = keys_in_segment(p, n, p0 + i, L->window, &lo, &hi);             \
@@ -1318,7 +1318,7 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
         for (int64_t j = 0, widened = -1; j < nh; j++) {                                           \
             const int64_t kvh = (h0 + j) / rep;                                                    \
             const S *vseg = SEGMENT(v0 + kvh * DIM, n, stride, DIM, seg, &widened, kvh);           \
-            const int64_t vst = PACKED ? DIM : stride;                                             \
+            const int64_t vst = sizeof(S) != sizeof(T) ? DIM : stride;                             \
             for (int64_t i = 0; i < R; i++) {                                                      \
                 int64_t lo, hi;                                                                    \
                 const int64_t fi = keys_in_segment(p, n, p0 + i, L->window, &lo, &hi);             \
@@ -1346,8 +1346,8 @@ static void NAME(const magnitude_dims *d, const magnitude_layer *L, const float 
 }
 #define LOAD8_F32(p) _mm256_loadu_ps(p)
 #define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-DEFINE_ATTEND_AVX2(attend_64_avx2, 64, float, float, SEGMENT_KEEP, LOAD8_F32, 0)
-DEFINE_ATTEND_AVX2(attend_128_avx2, 128, float, float, SEGMENT_KEEP, LOAD8_F32, 0)
+DEFINE_ATTEND_AVX2(attend_64_avx2, 64, float, float, SEGMENT_KEEP, LOAD8_F32)
+DEFINE_ATTEND_AVX2(attend_128_avx2, 128, float, float, SEGMENT_KEEP, LOAD8_F32)
 #ifdef __F16C__
 /* The n rows of dim float16 values (stride elements apart) as floats in seg, unless seg already
    holds KV head kvh's (*widened). */
@@ -1360,10 +1360,10 @@ static inline const float *segment_widen_f16(const uint16_t *src, int64_t n, int
     }
     return seg;
 }
-DEFINE_ATTEND_AVX2(attend_64_avx2_f16, 64, uint16_t, uint16_t, SEGMENT_KEEP, LOAD8_F16, 0)
-DEFINE_ATTEND_AVX2(attend_128_avx2_f16, 128, uint16_t, uint16_t, SEGMENT_KEEP, LOAD8_F16, 0)
-DEFINE_ATTEND_AVX2(attend_64_avx2_f16_rows, 64, uint16_t, float, segment_widen_f16, LOAD8_F32, 1)
-DEFINE_ATTEND_AVX2(attend_128_avx2_f16_rows, 128, uint16_t, float, segment_widen_f16, LOAD8_F32, 1)
+DEFINE_ATTEND_AVX2(attend_64_avx2_f16, 64, uint16_t, uint16_t, SEGMENT_KEEP, LOAD8_F16)
+DEFINE_ATTEND_AVX2(attend_128_avx2_f16, 128, uint16_t, uint16_t, SEGMENT_KEEP, LOAD8_F16)
+DEFINE_ATTEND_AVX2(attend_64_avx2_f16_rows, 64, uint16_t, float, segment_widen_f16, LOAD8_F32)
+DEFINE_ATTEND_AVX2(attend_128_avx2_f16_rows, 128, uint16_t, float, segment_widen_f16, LOAD8_F32)
 #endif
 #endif
 
