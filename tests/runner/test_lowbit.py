@@ -241,6 +241,27 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
         torch.set_num_threads(threads)
 
 
+
+@pytest.mark.parametrize("m", [16, 23, 70])
+def test_many_rows_take_the_blocked_int4_product_with_the_lone_rows_bits(kernel, m):
+    """From 16 rows (a prompt chunk) the int4 product converts each weight once for up to 64 rows
+    and multiplies register tiles (lowbit_kernels.c, int4_blocked_rows); every row's bits must still
+    be its bits alone, with one thread or two. The shapes leave tails everywhere: 70 rows are 64 and
+    6, 203 channels fill no tile evenly, and 1,056 inputs are two 512-input blocks and a 32-input one."""
+    codes, packed, scales, mins = int4_weights(203, 1056, seed=5)
+    x = torch.randn(m, 1056)
+    batched = kernel.int4_matmul(x, packed, scales, mins)
+    for r in range(m):
+        assert torch.equal(kernel.int4_matmul(x[r : r + 1].contiguous(), packed, scales, mins)[0], batched[r]), r
+    reference = x.double() @ dequantized_int4(codes, scales, mins).T
+    torch.testing.assert_close(batched.double(), reference, rtol=1e-4, atol=1e-3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel.int4_matmul(x, packed, scales, mins), batched)
+    finally:
+        torch.set_num_threads(threads)
+
 def test_modules_use_the_native_kernel_and_match_torchs(native, monkeypatch):
     """The w4a16 and int8 weight-only linears built with the kernel agree with the same linears on
     torch's kernels (bf16 activations there, so to bf16's precision), and say which ran."""

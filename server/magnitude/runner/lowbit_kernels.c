@@ -86,10 +86,7 @@ static void split_rows(rows_fn fn, const float *x, int64_t m, int64_t k, int64_t
         int64_t a, b;
         team(&t, &nt);
         share(n, t, nt, &a, &b);
-        for (int64_t r0 = 0; r0 < m && a < b; r0 += ROWS_PER_PASS) {
-            int rows = (int)(m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS);
-            fn(x + r0 * k, rows, k, codes, scales, mins, y + r0 * n, n, a, b);
-        }
+        if (a < b) fn(x, (int)m, k, codes, scales, mins, y, n, a, b);  /* fn takes the rows in passes */
     }
 }
 
@@ -203,6 +200,7 @@ typedef __m512 vecf;
 #define VECS 2
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VSET1(v) _mm512_set1_ps(v)
@@ -215,6 +213,7 @@ typedef __m256 vecf;
 #define VECS 4
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VSET1(v) _mm256_set1_ps(v)
@@ -354,6 +353,105 @@ INT4_ROWS(INT4_NB4, INT4_NB8)
 DEFINE_ROWS(int8, 1, 1, 1, 1)
 DEFINE_ROWS(int8g, 1, 1, 1, 1)
 
+/* Many rows at once (a prompt chunk's): the passes above turn every weight into fp32 again for each
+   pass of up to 8 rows, and at 8 rows that conversion and the activations' loads are as many
+   instructions as the multiply-adds. Here each channel's weights are converted once for up to
+   TILE_ROWS rows, TILE_KC inputs at a time, into a small fp32 block, and register tiles of TILE_R
+   rows x TILE_C channels multiply it (TILE_R + TILE_C loads for TILE_R x TILE_C multiply-adds).
+   Every (row, channel) sum is the passes' own: one VLANES-lane accumulator taking the inputs in
+   order (lane l the inputs l, l + VLANES, ...), the weights code * scale + min by the same FMA,
+   then VSUM. Between input blocks the accumulators wait in memory, which does not round them. So
+   the result is bit for bit int4_rows', and a row's result still depends on nothing but its own
+   input. */
+#ifndef TILE_R  /* -DTILE_R=.. -DTILE_C=.. (both), -DTILE_KC, -DTILE_ROWS override them, for measuring */
+#ifdef __AVX512F__
+#define TILE_R 4  /* 24 accumulators + 4 rows + 1 weight vector of AVX-512's 32 registers */
+#define TILE_C 6
+#else
+#define TILE_R 2  /* 12 accumulators + 2 rows + 1 weight vector: AVX2's 16 registers */
+#define TILE_C 6
+#endif
+#endif
+#ifndef TILE_KC
+#define TILE_KC 512  /* inputs per converted block (TILE_C x 512 fp32: 12 KiB) */
+#endif
+#ifndef TILE_ROWS
+#define TILE_ROWS 64
+#endif
+#ifndef BLOCKED_MIN_ROWS
+#define BLOCKED_MIN_ROWS 16
+#endif
+
+#define DEFINE_TILE(R, C)                                                                          \
+static void int4_tile_##R##_##C(const float *x, int64_t k, const float *w, int64_t kc, vecf *acc) { \
+    vecf a[R][C];                                                                                  \
+    for (int r = 0; r < R; r++)                                                                    \
+        for (int c = 0; c < C; c++) a[r][c] = acc[r * TILE_C + c];                                 \
+    for (int64_t v = 0; v < kc; v += VLANES) {                                                     \
+        vecf xr[R];                                                                                \
+        for (int r = 0; r < R; r++) xr[r] = VLOAD(x + r * k + v);                                  \
+        for (int c = 0; c < C; c++) {                                                              \
+            const vecf wc = VLOAD(w + c * TILE_KC + v);                                            \
+            for (int r = 0; r < R; r++) a[r][c] = VFMA(wc, xr[r], a[r][c]);                        \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < R; r++)                                                                    \
+        for (int c = 0; c < C; c++) acc[r * TILE_C + c] = a[r][c];                                 \
+}
+#define DEFINE_TILES_R(R) DEFINE_TILE(R, 1) DEFINE_TILE(R, 2) DEFINE_TILE(R, 3) DEFINE_TILE(R, 4) \
+    DEFINE_TILE(R, 5) DEFINE_TILE(R, 6)
+#define TILES_R(R) {int4_tile_##R##_1, int4_tile_##R##_2, int4_tile_##R##_3, int4_tile_##R##_4,  \
+                    int4_tile_##R##_5, int4_tile_##R##_6}
+DEFINE_TILES_R(1)
+DEFINE_TILES_R(2)
+DEFINE_TILES_R(3)
+DEFINE_TILES_R(4)
+typedef void (*tile_fn)(const float *x, int64_t k, const float *w, int64_t kc, vecf *acc);
+static tile_fn const int4_tiles[4][6] = {TILES_R(1), TILES_R(2), TILES_R(3), TILES_R(4)};
+_Static_assert(TILE_R <= 4 && TILE_C <= 6, "int4_tiles holds tiles of up to 4 x 6");
+_Static_assert(TILE_KC % 32 == 0, "a converted block is whole groups");
+
+static void int4_blocked_rows(const float *x, int m, int64_t k, const void *codes_, const float *scales,
+                              const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    enum { PASS_ROWS = TILE_ROWS };  /* DECODE_INT4's prefetch is the narrow passes' */
+    float wbuf[TILE_C * TILE_KC] __attribute__((aligned(64)));
+    vecf acc[TILE_ROWS * TILE_C];
+    for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {
+        const int rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+        const float *xr = x + (int64_t)r0 * k;
+        for (int64_t n = n0; n < n1; n += TILE_C) {
+            const int C = n1 - n < TILE_C ? (int)(n1 - n) : TILE_C;
+            for (int i = 0; i < rows * TILE_C; i++) acc[i] = VZERO();
+            for (int64_t k0 = 0; k0 < k; k0 += TILE_KC) {
+                const int64_t kc = k - k0 < TILE_KC ? k - k0 : TILE_KC;
+                for (int q = 0; q < C; q++) {
+                    const int64_t ch = n + q;
+                    for (int64_t g = k0 / 32; g < (k0 + kc) / 32; g++) {
+                        vecf w[VECS];
+                        DECODE_INT4
+                        for (int j = 0; j < VECS; j++)
+                            VSTORE(wbuf + q * TILE_KC + (g * 32 - k0) + VLANES * j, w[j]);
+                    }
+                }
+                for (int rr = 0; rr < rows; rr += TILE_R) {
+                    const int R = rows - rr < TILE_R ? rows - rr : TILE_R;
+                    int4_tiles[R - 1][C - 1](xr + (int64_t)rr * k + k0, k, wbuf, kc, acc + rr * TILE_C);
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                for (int q = 0; q < C; q++) y[(int64_t)(r0 + r) * ldy + n + q] = VSUM(acc[r * TILE_C + q]);
+        }
+    }
+}
+
+/* x [m][k] @ W^T for channels [n0, n1): many rows through int4_blocked_rows, a few through the
+   passes; the same bits either way. */
+static void int4_product_rows(const float *x, int m, int64_t k, const void *codes, const float *scales,
+                              const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    if (m >= BLOCKED_MIN_ROWS) int4_blocked_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);
+    else int4_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);
+}
+
 /* Channels [n0, n1) for exactly M rows of int8 activations (quantize_rows_q8), NB channels at a
    time. As in DEFINE_PASS, a row's sums run in the same order whatever M and NB are. */
 #define DEFINE_Q8_PASS(M, NB)                                                                      \
@@ -476,6 +574,11 @@ static void int8g_rows(const float *x, int m, int64_t k, const void *codes, cons
                        const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     (void)mins;
     int8_scaled_rows(x, m, k, 32, (const int8_t *)codes, scales, y, ldy, n0, n1);
+}
+
+static void int4_product_rows(const float *x, int m, int64_t k, const void *codes, const float *scales,
+                              const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    int4_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);
 }
 
 static void int4q8_rows(const int8_t *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes,
@@ -758,10 +861,7 @@ static void int4_mixed_rows(const float *x, int64_t m, int64_t k, const uint8_t 
         }
         const int64_t e0 = r;
         while (r < m && !(bf16_rows && bf16_rows[r])) r++;
-        for (int64_t p = e0; p < r; p += ROWS_PER_PASS) {
-            const int rows = (int)(r - p < ROWS_PER_PASS ? r - p : ROWS_PER_PASS);
-            int4_rows(x + p * k, rows, k, codes, scales, mins, y + p * ldy, ldy, n0, n1);
-        }
+        int4_product_rows(x + e0 * k, (int)(r - e0), k, codes, scales, mins, y + e0 * ldy, ldy, n0, n1);
     }
 #ifdef MAGNITUDE_AMX
     if (marked && bf16->pairs) {
@@ -811,7 +911,7 @@ int magnitude_int4_bf16_matmul(const float *x, int64_t m, int64_t k, int64_t n, 
 /* y [m][n] = x [m][k] @ W^T, W in the int4 layout above. */
 void magnitude_int4_matmul(const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *codes,
                            const float *scales, const float *mins, float *y, int threads) {
-    split_rows(int4_rows, x, m, k, n, codes, scales, mins, y, threads);
+    split_rows(int4_product_rows, x, m, k, n, codes, scales, mins, y, threads);
 }
 
 /* y [m][n] = x [m][k] @ W^T, W in the int8 layout above. */
