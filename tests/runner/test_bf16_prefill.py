@@ -216,20 +216,23 @@ def test_the_runner_marks_prompt_chunks_and_not_decodes(bf16_kernel, tmp_path):
 
 
 @pytest.mark.model
-def test_its_fused_step_takes_longer_chunks_and_more_keys_than_w4a16s(bf16_kernel, tmp_path):
-    """Under w4a16-bf16prefill the fused step takes a step whose chunk has more rows than
-    FUSED_MAX_CHUNK_ROWS, or attends to more keys than FUSED_MAX_CHUNK_KEYS, up to the _BF16
-    bounds (its products are then as cheap in both forwards, and its attention still wins); a
-    w4a16 model's fused step declines the same step, and both decline one past the _BF16 bounds.
-    Over an fp32 pool, whose reads were not made cheaper, its keys stop at the _FP32_POOL bound."""
+def test_its_fused_step_takes_more_keys_than_w4a16s(bf16_kernel, tmp_path):
+    """Under w4a16-bf16prefill the fused step takes a step whose chunk attends to more keys than
+    FUSED_MAX_CHUNK_KEYS_W4A16, up to FUSED_MAX_CHUNK_KEYS_BF16 (its products are then as cheap in
+    both forwards, and its attention still wins); a w4a16 model's fused step declines that step, and
+    both take chunks of more than w4a8's FUSED_MAX_CHUNK_ROWS rows and decline one past the _BF16
+    bounds. Over an fp32 pool, whose reads were not made cheaper, its keys stop at the _FP32_POOL
+    bound, w4a16's own."""
     from magnitude.runner.attention import SeqSlice, build_paged_batch
     from magnitude.runner.fused_decode import (
-        FUSED_MAX_CHUNK_KEYS, FUSED_MAX_CHUNK_KEYS_BF16, FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL, FUSED_MAX_CHUNK_ROWS,
-        FUSED_MAX_CHUNK_ROWS_BF16, fused_decoder, runs_fused)
+        FUSED_MAX_CHUNK_KEYS, FUSED_MAX_CHUNK_KEYS_BF16, FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL, FUSED_MAX_CHUNK_KEYS_W4A16,
+        FUSED_MAX_CHUNK_ROWS, FUSED_MAX_CHUNK_ROWS_BF16, FUSED_MAX_CHUNK_ROWS_W4A16, fused_decoder, runs_fused)
     from magnitude.runner.paged_decoder import lean_family
 
     assert FUSED_MAX_CHUNK_ROWS_BF16 > FUSED_MAX_CHUNK_ROWS
     assert FUSED_MAX_CHUNK_KEYS_BF16 > FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL > FUSED_MAX_CHUNK_KEYS
+    assert FUSED_MAX_CHUNK_KEYS_W4A16 == FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL
+    assert FUSED_MAX_CHUNK_ROWS_W4A16 == FUSED_MAX_CHUNK_ROWS_BF16
     path = build_tiny_model("llama", tmp_path / "l")
     exact = _runner(path, quantization="w4a16", kv_cache_dtype="float16")
     bf16 = _runner(path, quantization="w4a16-bf16prefill", kv_cache_dtype="float16")
@@ -258,7 +261,7 @@ def test_its_fused_step_takes_longer_chunks_and_more_keys_than_w4a16s(bf16_kerne
                          (("long", long_chunk), ("deep", within), ("past", past),
                           ("deep fp32", within_fp32), ("past fp32", past_fp32),
                           ("too long", [(0, FUSED_MAX_CHUNK_ROWS_BF16 + 1)]))}
-    assert chooses["w4a16"] == {"long": False, "deep": False, "past": False, "deep fp32": False, "past fp32": False,
+    assert chooses["w4a16"] == {"long": True, "deep": False, "past": False, "deep fp32": True, "past fp32": False,
                                 "too long": False}
     assert chooses["bf16 fp32 pool"] == {"long": True, "deep": False, "past": False, "deep fp32": True,
                                          "past fp32": False, "too long": False}

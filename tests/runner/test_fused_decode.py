@@ -18,8 +18,10 @@ torch = pytest.importorskip("torch")
 
 from magnitude.runner import lowbit  # noqa: E402
 from magnitude.runner.attention import SeqSlice, build_paged_batch  # noqa: E402
-from magnitude.runner.fused_decode import (FUSED_MAX_CHUNK_KEYS, FUSED_MAX_CHUNK_ROWS,  # noqa: E402
-                                           FUSED_MAX_CHUNK_ROWS_DENSE_BF16, fused_decoder, runs_fused)
+from magnitude.runner.fused_decode import (FUSED_BOUNDS_W4A16, FUSED_MAX_CHUNK_KEYS,  # noqa: E402
+                                           FUSED_MAX_CHUNK_KEYS_W4A16, FUSED_MAX_CHUNK_ROWS,
+                                           FUSED_MAX_CHUNK_ROWS_DENSE_BF16, FUSED_MAX_CHUNK_ROWS_W4A16,
+                                           fused_decoder, runs_fused)
 from magnitude.runner.paged_decoder import lean_family, lean_forward, paged_decoder  # noqa: E402
 from magnitude.runner.quant_eval import kernel_description  # noqa: E402
 
@@ -352,14 +354,16 @@ def test_a_chunk_rows_result_is_its_result_as_a_lone_row(arch, head_dim, kv_cach
 
 
 def test_a_step_with_a_long_chunk_runs_the_lean_forward_bit_for_bit(tmp_path):
+    # w4a8: its 64-row bound fits the 32-block test pool (w4a16's 512 rows would not); the fused
+    # step declines either's step alike
     _native_or_skip()
-    runner = _runner(build_tiny_model("llama", tmp_path / "l"), quantization="w4a16")
+    runner = _runner(build_tiny_model("llama", tmp_path / "l"), quantization="w4a8")
     inner = runner.model.model
-    seqs = [([0], 5, 1), ([1, 2, 3, 4, 5, 6], 10, FUSED_MAX_CHUNK_ROWS + 1)]  # one chunk row over the limit
+    seqs = [([0], 5, 1), ([1, 2, 3, 4, 5, 6], 10, FUSED_MAX_CHUNK_ROWS + 1)]  # one chunk row over w4a8's limit
     gen = torch.Generator().manual_seed(1)
     _prefill(runner, seqs, gen)
     step = _step(runner, seqs, True, gen)
-    assert not runs_fused(step[2])
+    assert not fused_decoder(inner, lean_family(inner).window).choose(step[2])
     snapshot = _pool(runner)
     with torch.inference_mode():
         want = _lean(runner)(*step).clone()
@@ -397,7 +401,8 @@ def test_a_block_id_outside_the_pool_is_refused_before_the_native_call(tmp_path)
 
 def test_which_steps_run_fused(tmp_path):
     """Decodes at any context and in any number; chunks while the step has at most
-    FUSED_MAX_CHUNK_ROWS of their rows and they attend to FUSED_MAX_CHUNK_KEYS keys or fewer together."""
+    FUSED_MAX_CHUNK_ROWS of their rows and they attend to FUSED_MAX_CHUNK_KEYS keys or fewer together
+    (runs_fused's defaults, w4a8's), under w4a16 up to its own larger bounds."""
     runner = _runner(build_tiny_model("llama", tmp_path / "l"))
 
     def batch(seqs):  # (tokens cached, tokens this step); block tables are not read
@@ -417,6 +422,17 @@ def test_which_steps_run_fused(tmp_path):
     assert runs_fused(batch([(deep, 16), (5000, 1)]))
     assert not runs_fused(batch([(deep + 1, 16), (5, 1)]))
     assert not runs_fused(batch([(deep // 2, 16), (deep // 2, 16)]))  # two chunks count together
+    # a w4a16 model's: chunks up to FUSED_MAX_CHUNK_ROWS_W4A16 rows and FUSED_MAX_CHUNK_KEYS_W4A16 keys
+    # (its products blocked for many rows, lowbit_kernels.c); the bounds above are w4a8's
+    _native_or_skip()
+    w4a16 = _runner(build_tiny_model("llama", tmp_path / "w"), quantization="w4a16")
+    choose = fused_decoder(w4a16.model.model, lean_family(w4a16.model.model).window).choose
+    assert FUSED_MAX_CHUNK_ROWS_W4A16 > FUSED_MAX_CHUNK_ROWS and FUSED_MAX_CHUNK_KEYS_W4A16 > FUSED_MAX_CHUNK_KEYS
+    assert choose(batch([(100, 1)] * 8 + [(0, FUSED_MAX_CHUNK_ROWS_W4A16)]))
+    assert not choose(batch([(100, 1)] + [(0, FUSED_MAX_CHUNK_ROWS_W4A16 + 1)]))
+    deep16 = (FUSED_MAX_CHUNK_KEYS_W4A16 - 136) // 16
+    assert choose(batch([(deep16, 16), (5000, 1)])) and not choose(batch([(deep16 + 1, 16)]))
+    assert runs_fused(batch([(deep16, 16)]), **FUSED_BOUNDS_W4A16)
     # a bf16 model's: its chunks up to FUSED_MAX_CHUNK_ROWS_DENSE_BF16 rows, decodes in any number
     bf16 = _runner(build_tiny_model("llama", tmp_path / "b"), dtype="bfloat16")
     _native_or_skip()

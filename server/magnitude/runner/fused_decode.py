@@ -195,6 +195,22 @@ class _RopeTable:
 # at 96k keys still won), and it counts every key before a row's position even under a sliding window.
 FUSED_MAX_CHUNK_ROWS = 64
 FUSED_MAX_CHUNK_KEYS = 64_000
+# Those were measured before a chunk's int4 products converted each weight once for up to 64 rows
+# (lowbit_kernels.c, int4_blocked_rows: 0.64-0.69x of the products' time at 64 rows on AVX2, 0.82-0.87x
+# on AVX-512, the same bits: bench/int4_product_ab.py) and before a chunk's rows read a float16 pool widened once per run
+# (DEFINE_ATTEND_AVX2); both forwards multiply on those kernels, and the fused step's attention now
+# wins further. Fused against lean under w4a16, wall time (`bench/step_profile.py --compare-decoders
+# --quantization w4a16 --threads 2 --batches 3 --contexts 100 --prefills ...`, 2026-12-06, an AMX
+# Xeon, bench/results/runner_llama.md S50): with the kernels built for AVX2 only (an AVX2 CPU's
+# build; CC adding -mno-avx512f, torch held to AVX2) chunks alone of 64 / 128 / 256 / 512 rows 0.64x /
+# 0.78x / 0.85x / 0.93x, 64 at 1,000 0.78x, 256 at 500 (161k keys) 0.83x, 3 decodes beside 100 at
+# 1,300 0.74x, 128 at 2,000 (264k) 0.83x, 256 at 1,000 (289k) 0.92x; the AVX-512 build: 128 rows
+# 0.84x, 512 0.97x, 64 at 1,000 0.78x, 3+100 at 1,300 0.78x, 64 at 4,000 0.75x, but 128 at 2,000
+# 1.06x and 256 at 1,000 1.15x. So w4a16's bounds are FUSED_MAX_CHUNK_ROWS_W4A16 rows and
+# FUSED_MAX_CHUNK_KEYS_W4A16 keys, under every cell that lost; w4a8's products (int8 activations)
+# are not blocked and keep the bounds above.
+FUSED_MAX_CHUNK_ROWS_W4A16 = 512
+FUSED_MAX_CHUNK_KEYS_W4A16 = 150_000
 # With w4a16-bf16prefill's bf16 products a chunk's products are about 3x cheaper in both forwards,
 # and the fused step beats the lean forward at every chunk size measured, and up to about twice the
 # keys. Fused against lean, two AVX-512 BF16 EPYC cores (`bench/step_profile.py
@@ -225,6 +241,7 @@ FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL = 150_000
 FUSED_POOL_DTYPES = (torch.float32, torch.float16)
 
 
+FUSED_BOUNDS_W4A16 = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_W4A16, max_chunk_keys=FUSED_MAX_CHUNK_KEYS_W4A16)
 FUSED_BOUNDS_BF16PREFILL = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16, max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16)
 FUSED_BOUNDS_BF16PREFILL_FP32_POOL = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16,
                                           max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL)
@@ -272,8 +289,9 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     not SiLU, or neither fp32 with w4a16 (or w4a8) on Magnitude's kernels throughout nor bf16
     throughout on the CPU with the kernels built for AVX2 or AVX-512 (not where
     MAGNITUDE_LOWBIT_KERNEL=torch, the build failed or took the portable path). The forward returns the final norm's output in the model's dtype, or None for a
-    step `choose` declines (by default `runs_fused`; runs_fused_bf16prefill under
-    w4a16-bf16prefill and FUSED_BOUNDS_DENSE_BF16 for a bf16 model), for the caller to run the lean
+    step `choose` declines (by default `runs_fused` with FUSED_BOUNDS_W4A16 under w4a16, its own bounds
+    under w4a8, runs_fused_bf16prefill under w4a16-bf16prefill and FUSED_BOUNDS_DENSE_BF16 for a bf16
+    model), for the caller to run the lean
     forward.
 
     The weights' addresses are taken now (their tensors kept alive with the forward): a model whose
@@ -341,7 +359,9 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                 intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling),
                 act_int8=int(kind == "int8"), dense_bf16=int(dense))
     bf16prefill = kind == "bf16prefill"  # its products read the step's marked rows
-    if choose is runs_fused and (bf16prefill or dense):
+    if choose is runs_fused and kind == "fp32":  # w4a16
+        choose = functools.partial(runs_fused, **FUSED_BOUNDS_W4A16)
+    elif choose is runs_fused and (bf16prefill or dense):
         choose = functools.partial(runs_fused, **FUSED_BOUNDS_DENSE_BF16) if dense else runs_fused_bf16prefill
     rope = _RopeTable(inner.rotary_emb)
 
