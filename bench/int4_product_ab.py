@@ -1,9 +1,11 @@
 """Magnitude's int4 product (`magnitude_int4_matmul`, runner/lowbit_kernels.c) from two or more
 builds in one process: the working tree's against a git revision's, on SmolLM2's four projection
-shapes (gate/up, down, q/o, k/v), interleaved, at several row counts.
+shapes (gate/up, down, q/o, k/v), interleaved, at several row counts; with `--head`, the grouped
+int8 product (`magnitude_int8g_matmul`) on its LM head's shape (576 inputs, 49,152 channels: the
+Q8_0 head w4a16 serves).
 
     .venv/bin/python bench/int4_product_ab.py --against HEAD [--rows 8,16,32,64,128] [--threads 2]
-        [--variant TILE_KC=256] [--variant TILE_R=2,TILE_C=5 ...]
+        [--head] [--variant TILE_KC=256] [--variant TILE_R=2,TILE_C=5 ...]
 
 Each `--variant` adds a build of the working tree with those macros defined (`-DTILE_KC=256`), to
 try the tile sizes lowbit_kernels.c lets a build override. `CC` picks the compiler as for the
@@ -31,6 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "server" / "magnitude" / "runner" / "lowbit_kernels.c"
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192)]  # (inputs, channels)
+HEAD_SHAPES = [(576, 49152)]
 
 
 def build(cc: str, source: Path, defines: list[str], out: Path) -> ctypes.CDLL:
@@ -40,6 +43,8 @@ def build(cc: str, source: Path, defines: list[str], out: Path) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.magnitude_int4_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, i32]
     lib.magnitude_int4_matmul.restype = None
+    lib.magnitude_int8g_matmul.argtypes = [p, i64, i64, i64, p, p, p, i32]
+    lib.magnitude_int8g_matmul.restype = None
     lib.magnitude_lowbit_isa.restype = ctypes.c_char_p
     return lib
 
@@ -50,6 +55,7 @@ def main() -> None:
     ap.add_argument("--rows", default="8,16,32,64,128")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variant", action="append", default=[], help="macros for another working-tree build")
+    ap.add_argument("--head", action="store_true", help="the grouped int8 LM head's product instead")
     args = ap.parse_args()
     cc = shutil.which(os.environ.get("CC", "cc")) or "cc"
     work = Path(tempfile.mkdtemp(prefix="int4-ab-"))
@@ -62,24 +68,34 @@ def main() -> None:
         libs[variant] = build(cc, SOURCE, [f"-D{d}" for d in variant.split(",")], work / f"v{i}.so")
     print(f"{cc}: isa {libs['new'].magnitude_lowbit_isa().decode()}, {args.threads} threads, old = {args.against}")
     rng = np.random.default_rng(0)
-    weights = {(k, n): (rng.integers(0, 256, (n, k // 2), dtype=np.uint8), rng.random((n, k // 32), dtype=np.float32),
-                        rng.random((n, k // 32), dtype=np.float32)) for k, n in SHAPES}
+    shapes = HEAD_SHAPES if args.head else SHAPES
+    if args.head:  # int8 codes, one scale per group of 32 inputs
+        weights = {(k, n): (rng.integers(-127, 128, (n, k), dtype=np.int8), rng.random((n, k // 32), dtype=np.float32),
+                            None) for k, n in shapes}
+    else:
+        weights = {(k, n): (rng.integers(0, 256, (n, k // 2), dtype=np.uint8),
+                            rng.random((n, k // 32), dtype=np.float32), rng.random((n, k // 32), dtype=np.float32))
+                   for k, n in shapes}
     for m in (int(r) for r in args.rows.split(",")):
-        xs = {k: rng.standard_normal((m, k), dtype=np.float32) for k in {k for k, _ in SHAPES}}
-        ys = {n: np.empty((m, n), np.float32) for n in {n for _, n in SHAPES}}
+        xs = {k: rng.standard_normal((m, k), dtype=np.float32) for k in {k for k, _ in shapes}}
+        ys = {n: np.empty((m, n), np.float32) for n in {n for _, n in shapes}}
         times: dict[str, list[float]] = {name: [] for name in libs}
         for rnd in range(11):
             for name in (list(libs) if rnd % 2 else list(libs)[::-1]):
                 t = time.perf_counter()
                 for _ in range(4):
-                    for k, n in SHAPES:
+                    for k, n in shapes:
                         codes, scales, mins = weights[k, n]
-                        libs[name].magnitude_int4_matmul(xs[k].ctypes.data, m, k, n, codes.ctypes.data,
-                                                         scales.ctypes.data, mins.ctypes.data, ys[n].ctypes.data,
-                                                         args.threads)
+                        if args.head:
+                            libs[name].magnitude_int8g_matmul(xs[k].ctypes.data, m, k, n, codes.ctypes.data,
+                                                              scales.ctypes.data, ys[n].ctypes.data, args.threads)
+                        else:
+                            libs[name].magnitude_int4_matmul(xs[k].ctypes.data, m, k, n, codes.ctypes.data,
+                                                             scales.ctypes.data, mins.ctypes.data,
+                                                             ys[n].ctypes.data, args.threads)
                 times[name].append(time.perf_counter() - t)
         base = statistics.median(times["old"])
-        flops = 4 * sum(2 * m * k * n for k, n in SHAPES)
+        flops = 4 * sum(2 * m * k * n for k, n in shapes)
         print(f"{m:4d} rows: old {base * 1e3:7.2f} ms ({flops / base / 1e9:4.0f} GFLOP/s)  "
               + "  ".join(f"{name} {statistics.median(t) / base:.2f}" for name, t in times.items() if name != "old"),
               flush=True)

@@ -2,7 +2,7 @@
 against a git revision's, the same real steps on the bundled model, interleaved.
 
     .venv/bin/python bench/kernel_ab.py --against HEAD [--quantization w4a16-bf16prefill]
-        [--kv-cache-dtype auto] [--threads 2] [--steps 9]
+        [--kv-cache-dtype auto] [--threads 2] [--steps 9] [--decode-batches 1,3,8]
 
 Each build is compiled (or found in the kernel cache) and loaded by its own runner: the process's
 kernels are loaded afresh for the second runner, and each runner keeps the library its linears and
@@ -74,7 +74,11 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--decode-batches", default="",
+                    help="instead of the default cells, decode-only steps of these batch sizes at context 500 (1,3,8)")
     args = ap.parse_args()
+    cells = CELLS if not args.decode_batches else tuple(
+        (f"{b} decodes at 500", (b, 500, 0, 0)) for b in (int(v) for v in args.decode_batches.split(",")))
     relative = lowbit.SOURCE.relative_to(ROOT)
     old_text = subprocess.run(["git", "show", f"{args.against}:{relative}"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout
@@ -86,7 +90,7 @@ def main() -> int:
         runners = {"old": _runner(old_source, args), "new": _runner(new_source, args)}
         lowbit.SOURCE = new_source
         block_size = runners["new"].block_size
-        for label, shape in CELLS:
+        for label, shape in cells:
             plan = _plan(*shape, block_size)
             times: dict[str, list[float]] = {name: [] for name in runners}
             for runner in runners.values():

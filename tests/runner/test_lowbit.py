@@ -242,25 +242,35 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
 
 
 
-@pytest.mark.parametrize("m", [16, 23, 70])
-def test_many_rows_take_the_blocked_int4_product_with_the_lone_rows_bits(kernel, m):
-    """From 16 rows (a prompt chunk) the int4 product converts each weight once for up to 64 rows
-    and multiplies register tiles (lowbit_kernels.c, int4_blocked_rows); every row's bits must still
-    be its bits alone, with one thread or two. The shapes leave tails everywhere: 70 rows are 64 and
-    6, 203 channels fill no tile evenly, and 1,056 inputs are two 512-input blocks and a 32-input one."""
+@pytest.mark.parametrize("m", [3, 6, 16, 23, 70])
+def test_many_rows_take_the_blocked_products_with_the_lone_rows_bits(kernel, m):
+    """Where the passes of 8, 4, 2 and 1 rows would take more than one pass (3, 5-7, 9 or more rows:
+    a prompt chunk, a head over many decodes) the int4, int8 and grouped int8 products convert each
+    weight once for up to 64 rows and multiply register tiles (lowbit_kernels.c, DEFINE_BLOCKED);
+    every row's bits must still be its bits alone, with one thread or two. The shapes leave tails everywhere: 70 rows are 64 and 6, 203 channels fill no
+    tile evenly, and 1,056 inputs are two 512-input blocks and a 32-input one."""
     codes, packed, scales, mins = int4_weights(203, 1056, seed=5)
+    g = torch.Generator().manual_seed(6)
+    q8 = torch.randint(-127, 128, (203, 1056), generator=g, dtype=torch.int8)
+    s8 = torch.rand(203, generator=g) * 0.01
+    g8, gs = q8_0_weights(203, 1056, seed=7)
+    products = {
+        "int4": (lambda x: kernel.int4_matmul(x, packed, scales, mins), dequantized_int4(codes, scales, mins)),
+        "int8": (lambda x: kernel.int8_matmul(x, q8, s8), q8.double() * s8.double()[:, None]),
+        "int8g": (lambda x: kernel.int8g_matmul(x, g8, gs), dequantized_int8g(g8, gs).double()),
+    }
     x = torch.randn(m, 1056)
-    batched = kernel.int4_matmul(x, packed, scales, mins)
-    for r in range(m):
-        assert torch.equal(kernel.int4_matmul(x[r : r + 1].contiguous(), packed, scales, mins)[0], batched[r]), r
-    reference = x.double() @ dequantized_int4(codes, scales, mins).T
-    torch.testing.assert_close(batched.double(), reference, rtol=1e-4, atol=1e-3)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(kernel.int4_matmul(x, packed, scales, mins), batched)
-    finally:
-        torch.set_num_threads(threads)
+    for name, (product, weights) in products.items():
+        batched = product(x)
+        for r in range(m):
+            assert torch.equal(product(x[r : r + 1].contiguous())[0], batched[r]), (name, r)
+        torch.testing.assert_close(batched.double(), x.double() @ weights.T, rtol=1e-4, atol=1e-3)
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(product(x), batched), name
+        finally:
+            torch.set_num_threads(threads)
 
 def test_modules_use_the_native_kernel_and_match_torchs(native, monkeypatch):
     """The w4a16 and int8 weight-only linears built with the kernel agree with the same linears on

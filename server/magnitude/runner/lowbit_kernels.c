@@ -353,16 +353,18 @@ INT4_ROWS(INT4_NB4, INT4_NB8)
 DEFINE_ROWS(int8, 1, 1, 1, 1)
 DEFINE_ROWS(int8g, 1, 1, 1, 1)
 
-/* Many rows at once (a prompt chunk's): the passes above turn every weight into fp32 again for each
-   pass of up to 8 rows, and at 8 rows that conversion and the activations' loads are as many
-   instructions as the multiply-adds. Here each channel's weights are converted once for up to
+/* Many rows at once (a prompt chunk's; the LM head's rows when many sequences decode): the passes
+   above turn every weight into fp32 again for each pass of up to 8 rows, and at 8 rows that
+   conversion and the activations' loads are as many instructions as the multiply-adds (the int8
+   head's 28 MB are also read from memory again by every pass). Here, for each layout (int4, int8,
+   int8g), each channel's weights are converted once for up to
    TILE_ROWS rows, TILE_KC inputs at a time, into a small fp32 block, and register tiles of TILE_R
    rows x TILE_C channels multiply it (TILE_R + TILE_C loads for TILE_R x TILE_C multiply-adds).
    Every (row, channel) sum is the passes' own: one VLANES-lane accumulator taking the inputs in
-   order (lane l the inputs l, l + VLANES, ...), the weights code * scale + min by the same FMA,
-   then VSUM. Between input blocks the accumulators wait in memory, which does not round them. So
-   the result is bit for bit int4_rows', and a row's result still depends on nothing but its own
-   input. */
+   order (lane l the inputs l, l + VLANES, ...), the weights converted by the same DECODE, then VSUM
+   (and the channel's scale, int8). Between input blocks the accumulators wait in memory, which does
+   not round them. So the result is bit for bit the passes', and a row's result still depends on
+   nothing but its own input. */
 #ifndef TILE_R  /* -DTILE_R=.. -DTILE_C=.. (both), -DTILE_KC, -DTILE_ROWS override them, for measuring */
 #ifdef __AVX512F__
 #define TILE_R 4  /* 24 accumulators + 4 rows + 1 weight vector of AVX-512's 32 registers */
@@ -378,12 +380,15 @@ DEFINE_ROWS(int8g, 1, 1, 1, 1)
 #ifndef TILE_ROWS
 #define TILE_ROWS 64
 #endif
-#ifndef BLOCKED_MIN_ROWS
-#define BLOCKED_MIN_ROWS 16
+/* Blocked where the passes would take more than one pass over the weights (3, 5, 6, 7 or more than
+   8 rows); 1, 2, 4 and 8 rows are one pass, which reads each weight once as well and measured as
+   fast or faster in whole decode steps (bench/kernel_ab.py --decode-batches). */
+#ifndef BLOCKED_ROWS
+#define BLOCKED_ROWS(m) ((m) > ROWS_PER_PASS || ((m) > 2 && ((m) & ((m) - 1))))
 #endif
 
 #define DEFINE_TILE(R, C)                                                                          \
-static void int4_tile_##R##_##C(const float *x, int64_t k, const float *w, int64_t kc, vecf *acc) { \
+static void tile_##R##_##C(const float *x, int64_t k, const float *w, int64_t kc, vecf *acc) { \
     vecf a[R][C];                                                                                  \
     for (int r = 0; r < R; r++)                                                                    \
         for (int c = 0; c < C; c++) a[r][c] = acc[r * TILE_C + c];                                 \
@@ -400,57 +405,64 @@ static void int4_tile_##R##_##C(const float *x, int64_t k, const float *w, int64
 }
 #define DEFINE_TILES_R(R) DEFINE_TILE(R, 1) DEFINE_TILE(R, 2) DEFINE_TILE(R, 3) DEFINE_TILE(R, 4) \
     DEFINE_TILE(R, 5) DEFINE_TILE(R, 6)
-#define TILES_R(R) {int4_tile_##R##_1, int4_tile_##R##_2, int4_tile_##R##_3, int4_tile_##R##_4,  \
-                    int4_tile_##R##_5, int4_tile_##R##_6}
+#define TILES_R(R) {tile_##R##_1, tile_##R##_2, tile_##R##_3, tile_##R##_4, tile_##R##_5, tile_##R##_6}
 DEFINE_TILES_R(1)
 DEFINE_TILES_R(2)
 DEFINE_TILES_R(3)
 DEFINE_TILES_R(4)
 typedef void (*tile_fn)(const float *x, int64_t k, const float *w, int64_t kc, vecf *acc);
-static tile_fn const int4_tiles[4][6] = {TILES_R(1), TILES_R(2), TILES_R(3), TILES_R(4)};
-_Static_assert(TILE_R <= 4 && TILE_C <= 6, "int4_tiles holds tiles of up to 4 x 6");
+static tile_fn const tiles[4][6] = {TILES_R(1), TILES_R(2), TILES_R(3), TILES_R(4)};
+_Static_assert(TILE_R <= 4 && TILE_C <= 6, "tiles holds tiles of up to 4 x 6");
 _Static_assert(TILE_KC % 32 == 0, "a converted block is whole groups");
 
-static void int4_blocked_rows(const float *x, int m, int64_t k, const void *codes_, const float *scales,
-                              const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    enum { PASS_ROWS = TILE_ROWS };  /* DECODE_INT4's prefetch is the narrow passes' */
-    float wbuf[TILE_C * TILE_KC] __attribute__((aligned(64)));
-    vecf acc[TILE_ROWS * TILE_C];
-    for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {
-        const int rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
-        const float *xr = x + (int64_t)r0 * k;
-        for (int64_t n = n0; n < n1; n += TILE_C) {
-            const int C = n1 - n < TILE_C ? (int)(n1 - n) : TILE_C;
-            for (int i = 0; i < rows * TILE_C; i++) acc[i] = VZERO();
-            for (int64_t k0 = 0; k0 < k; k0 += TILE_KC) {
-                const int64_t kc = k - k0 < TILE_KC ? k - k0 : TILE_KC;
-                for (int q = 0; q < C; q++) {
-                    const int64_t ch = n + q;
-                    for (int64_t g = k0 / 32; g < (k0 + kc) / 32; g++) {
-                        vecf w[VECS];
-                        DECODE_INT4
-                        for (int j = 0; j < VECS; j++)
-                            VSTORE(wbuf + q * TILE_KC + (g * 32 - k0) + VLANES * j, w[j]);
-                    }
-                }
-                for (int rr = 0; rr < rows; rr += TILE_R) {
-                    const int R = rows - rr < TILE_R ? rows - rr : TILE_R;
-                    int4_tiles[R - 1][C - 1](xr + (int64_t)rr * k + k0, k, wbuf, kc, acc + rr * TILE_C);
-                }
-            }
-            for (int r = 0; r < rows; r++)
-                for (int q = 0; q < C; q++) y[(int64_t)(r0 + r) * ldy + n + q] = VSUM(acc[r * TILE_C + q]);
-        }
-    }
+#define DEFINE_BLOCKED(NAME, DECODE, SCALE_END)                                                    \
+static void NAME##_blocked_rows(const float *x, int m, int64_t k, const void *codes_, const float *scales, \
+                                const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) { \
+    (void)mins;                                                                                    \
+    enum { PASS_ROWS = TILE_ROWS };  /* DECODE's prefetch is the narrow passes' */                 \
+    float wbuf[TILE_C * TILE_KC] __attribute__((aligned(64)));                                     \
+    vecf acc[TILE_ROWS * TILE_C];                                                                  \
+    for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {                                                    \
+        const int rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;                                  \
+        const float *xr = x + (int64_t)r0 * k;                                                     \
+        for (int64_t n = n0; n < n1; n += TILE_C) {                                                \
+            const int C = n1 - n < TILE_C ? (int)(n1 - n) : TILE_C;                                \
+            for (int i = 0; i < rows * TILE_C; i++) acc[i] = VZERO();                              \
+            for (int64_t k0 = 0; k0 < k; k0 += TILE_KC) {                                          \
+                const int64_t kc = k - k0 < TILE_KC ? k - k0 : TILE_KC;                            \
+                for (int q = 0; q < C; q++) {                                                      \
+                    const int64_t ch = n + q;                                                      \
+                    for (int64_t g = k0 / 32; g < (k0 + kc) / 32; g++) {                           \
+                        vecf w[VECS];                                                              \
+                        DECODE                                                                     \
+                        for (int j = 0; j < VECS; j++)                                             \
+                            VSTORE(wbuf + q * TILE_KC + (g * 32 - k0) + VLANES * j, w[j]);         \
+                    }                                                                              \
+                }                                                                                  \
+                for (int rr = 0; rr < rows; rr += TILE_R) {                                        \
+                    const int R = rows - rr < TILE_R ? rows - rr : TILE_R;                         \
+                    tiles[R - 1][C - 1](xr + (int64_t)rr * k + k0, k, wbuf, kc, acc + rr * TILE_C); \
+                }                                                                                  \
+            }                                                                                      \
+            for (int r = 0; r < rows; r++)                                                         \
+                for (int q = 0; q < C; q++) {                                                      \
+                    const int64_t ch = n + q;                                                      \
+                    y[(int64_t)(r0 + r) * ldy + ch] = VSUM(acc[r * TILE_C + q]) SCALE_END;         \
+                }                                                                                  \
+        }                                                                                          \
+    }                                                                                              \
+}                                                                                                  \
+/* x [m][k] @ W^T for channels [n0, n1): rows blocked or through the passes (BLOCKED_ROWS); the   \
+   same bits either way. */                                                                             \
+static void NAME##_product_rows(const float *x, int m, int64_t k, const void *codes, const float *scales, \
+                                const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) { \
+    if (BLOCKED_ROWS(m)) NAME##_blocked_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);  \
+    else NAME##_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);                                \
 }
 
-/* x [m][k] @ W^T for channels [n0, n1): many rows through int4_blocked_rows, a few through the
-   passes; the same bits either way. */
-static void int4_product_rows(const float *x, int m, int64_t k, const void *codes, const float *scales,
-                              const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    if (m >= BLOCKED_MIN_ROWS) int4_blocked_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);
-    else int4_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);
-}
+DEFINE_BLOCKED(int4, DECODE_INT4, )
+DEFINE_BLOCKED(int8, DECODE_INT8, * scales[ch])
+DEFINE_BLOCKED(int8g, DECODE_INT8G, )
 
 /* Channels [n0, n1) for exactly M rows of int8 activations (quantize_rows_q8), NB channels at a
    time. As in DEFINE_PASS, a row's sums run in the same order whatever M and NB are. */
@@ -576,10 +588,6 @@ static void int8g_rows(const float *x, int m, int64_t k, const void *codes, cons
     int8_scaled_rows(x, m, k, 32, (const int8_t *)codes, scales, y, ldy, n0, n1);
 }
 
-static void int4_product_rows(const float *x, int m, int64_t k, const void *codes, const float *scales,
-                              const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    int4_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);
-}
 
 static void int4q8_rows(const int8_t *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes,
                         const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -599,6 +607,9 @@ static void int4q8_rows(const int8_t *q, const float *d, const float *s, int m, 
         }
     }
 }
+#define int4_product_rows int4_rows  /* portable: the passes take any number of rows */
+#define int8_product_rows int8_rows
+#define int8g_product_rows int8g_rows
 #endif
 
 /* ---------------------------------------------------------------------------------------------
@@ -917,13 +928,13 @@ void magnitude_int4_matmul(const float *x, int64_t m, int64_t k, int64_t n, cons
 /* y [m][n] = x [m][k] @ W^T, W in the int8 layout above. */
 void magnitude_int8_matmul(const float *x, int64_t m, int64_t k, int64_t n, const int8_t *codes,
                            const float *scales, float *y, int threads) {
-    split_rows(int8_rows, x, m, k, n, codes, scales, 0, y, threads);
+    split_rows(int8_product_rows, x, m, k, n, codes, scales, 0, y, threads);
 }
 
 /* y [m][n] = x [m][k] @ W^T, W in the int8g layout above. */
 void magnitude_int8g_matmul(const float *x, int64_t m, int64_t k, int64_t n, const int8_t *codes,
                             const float *scales, float *y, int threads) {
-    split_rows(int8g_rows, x, m, k, n, codes, scales, 0, y, threads);
+    split_rows(int8g_product_rows, x, m, k, n, codes, scales, 0, y, threads);
 }
 
 /* y [m][n] = q8(x) [m][k] @ W^T, W in the int4 layout above, x quantized per group of 32 inputs
