@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import shutil
 import statistics
 import subprocess
@@ -31,21 +30,18 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "server" / "magnitude" / "runner" / "lowbit_kernels.c"
+sys.path.insert(0, str(ROOT / "server"))
+
+from magnitude.runner import lowbit  # noqa: E402
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192)]  # (inputs, channels)
 HEAD_SHAPES = [(576, 49152)]
 
 
-def build(cc: str, source: Path, defines: list[str], out: Path) -> ctypes.CDLL:
-    subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *defines, "-o", str(out),
-                    str(source), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.magnitude_int4_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, i32]
-    lib.magnitude_int4_matmul.restype = None
-    lib.magnitude_int8g_matmul.argtypes = [p, i64, i64, i64, p, p, p, i32]
-    lib.magnitude_int8g_matmul.restype = None
-    lib.magnitude_lowbit_isa.restype = ctypes.c_char_p
+def build(source: Path, defines: list[str], directory: Path) -> ctypes.CDLL:
+    """The engine's own build (lowbit.build: $CC, its flags) of `source`, with `defines` added."""
+    lowbit.SOURCE = source
+    lib = ctypes.CDLL(str(lowbit.build(directory, flags=(*lowbit.FLAGS, *defines))))
+    lowbit._declare(lib)
     return lib
 
 
@@ -57,16 +53,17 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], help="macros for another working-tree build")
     ap.add_argument("--head", action="store_true", help="the grouped int8 LM head's product instead")
     args = ap.parse_args()
-    cc = shutil.which(os.environ.get("CC", "cc")) or "cc"
     work = Path(tempfile.mkdtemp(prefix="int4-ab-"))
+    new_source = lowbit.SOURCE
     old_source = work / "old.c"
     old_source.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show",
                                            f"{args.against}:server/magnitude/runner/lowbit_kernels.c"],
                                           check=True, capture_output=True).stdout)
-    libs = {"old": build(cc, old_source, [], work / "old.so"), "new": build(cc, SOURCE, [], work / "new.so")}
+    libs = {"old": build(old_source, [], work / "old"), "new": build(new_source, [], work / "new")}
     for i, variant in enumerate(args.variant):
-        libs[variant] = build(cc, SOURCE, [f"-D{d}" for d in variant.split(",")], work / f"v{i}.so")
-    print(f"{cc}: isa {libs['new'].magnitude_lowbit_isa().decode()}, {args.threads} threads, old = {args.against}")
+        libs[variant] = build(new_source, [f"-D{d}" for d in variant.split(",")], work / f"v{i}")
+    lowbit.SOURCE = new_source
+    print(f"isa {libs['new'].magnitude_lowbit_isa().decode()}, {args.threads} threads, old = {args.against}")
     rng = np.random.default_rng(0)
     shapes = HEAD_SHAPES if args.head else SHAPES
     if args.head:  # int8 codes, one scale per group of 32 inputs

@@ -453,10 +453,10 @@ static void NAME##_blocked_rows(const float *x, int m, int64_t k, const void *co
     }                                                                                              \
 }                                                                                                  \
 /* x [m][k] @ W^T for channels [n0, n1): rows blocked or through the passes (BLOCKED_ROWS); the   \
-   same bits either way. */                                                                             \
+   same bits either way. */                                                                        \
 static void NAME##_product_rows(const float *x, int m, int64_t k, const void *codes, const float *scales, \
                                 const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) { \
-    if (BLOCKED_ROWS(m)) NAME##_blocked_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);  \
+    if (BLOCKED_ROWS(m)) NAME##_blocked_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);         \
     else NAME##_rows(x, m, k, codes, scales, mins, y, ldy, n0, n1);                                \
 }
 
@@ -587,7 +587,6 @@ static void int8g_rows(const float *x, int m, int64_t k, const void *codes, cons
     (void)mins;
     int8_scaled_rows(x, m, k, 32, (const int8_t *)codes, scales, y, ldy, n0, n1);
 }
-
 
 static void int4q8_rows(const int8_t *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes,
                         const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
