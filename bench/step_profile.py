@@ -13,9 +13,10 @@ or as D+N beside D decodes) interleaved, one step of each in turn, so a
 shared host's noise falls on all of them alike; prints median wall and process-CPU ms per step
 and the ratio to the first variant.
 
-`--compare-decoders` loads one runner (--dtype, --quantization) and runs the same cells through
-transformers' forward, the runner's lean forward (runner/paged_decoder.py) and, for a w4a16 model on
-Magnitude's kernels, the fused decode step (runner/fused_decode.py), interleaved.
+`--compare-decoders` loads one runner (--dtype, --quantization, its KV pool in --kv-dtype) and runs
+the same cells through transformers' forward, the runner's lean forward (runner/paged_decoder.py)
+and, for a w4a16 model on Magnitude's kernels, the fused decode step (runner/fused_decode.py),
+interleaved.
 
 `--memory` loads the runner (--dtype, --quantization) and prints where its resident memory is:
 live tensor bytes by kind (distinct storages) against the process's anonymous and file-backed RSS.
@@ -187,11 +188,11 @@ def compare(variants: list[str], batches: list[int], contexts: list[int], steps:
 
 
 def compare_decoders(dtype: str | None, quantization: str | None, batches: list[int], contexts: list[int], steps: int,
-                     threads: int | None, prefills: list[tuple[int, int, int]]) -> None:
-    """One runner, its steps through transformers' forward, the lean forward and (for a model it
-    runs) the fused decode step in turn."""
+                     threads: int | None, prefills: list[tuple[int, int, int]], kv_dtype: str = "auto") -> None:
+    """One runner (its KV pool in `kv_dtype`), its steps through transformers' forward, the lean
+    forward and (for a model it runs) the fused decode step in turn."""
     runner = ModelRunner(dtype=dtype, quantization=quantization, num_threads=threads, evaluate_quantization=False,
-                         num_blocks=_pool_blocks(batches, contexts, prefills))
+                         num_blocks=_pool_blocks(batches, contexts, prefills), kv_cache_dtype=kv_dtype)
     inner = runner.model.model
     forwards = {"transformers": transformers_decoder(inner)}
     family = lean_family(inner)
@@ -208,7 +209,7 @@ def compare_decoders(dtype: str | None, quantization: str | None, batches: list[
             return runner.execute(plan)
         return execute
 
-    print(f"dtype {runner.dtype}, quantization {runner.quantization}")
+    print(f"dtype {runner.dtype}, quantization {runner.quantization}, KV pool {runner.kv_cache_dtype}")
     _interleaved({k: through(f) for k, f in forwards.items()}, batches, contexts, steps, prefills)
 
 
@@ -301,6 +302,8 @@ def main() -> int:
     p.add_argument("--compare-decoders", action="store_true",
                    help="one runner (--dtype, --quantization): transformers' forward against the lean one, interleaved")
     p.add_argument("--memory", action="store_true", help="where the loaded runner's resident memory is")
+    p.add_argument("--kv-dtype", default="auto", help="--compare-decoders: the KV pool's dtype (kvCache.dtype: "
+                                                      "auto, float32, float16)")
     args = p.parse_args()
     if args.memory:
         memory_report(ModelRunner(dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
@@ -309,7 +312,7 @@ def main() -> int:
     if args.compare_decoders:
         compare_decoders(args.dtype, args.quantization, [int(b) for b in args.batches.split(",")],
                          [int(c) for c in args.contexts.split(",")], args.steps, args.threads,
-                         _prefill_cells(args.prefills))
+                         _prefill_cells(args.prefills), args.kv_dtype)
         return 0
     if args.compare:
         compare(args.compare.split(","), [int(b) for b in args.batches.split(",")],
