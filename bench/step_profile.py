@@ -302,9 +302,11 @@ def main() -> int:
     p.add_argument("--compare-decoders", action="store_true",
                    help="one runner (--dtype, --quantization): transformers' forward against the lean one, interleaved")
     p.add_argument("--memory", action="store_true", help="where the loaded runner's resident memory is")
-    p.add_argument("--kv-dtype", default="auto", help="--compare-decoders: the KV pool's dtype (kvCache.dtype: "
-                                                      "auto, float32, float16)")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16"),
+                   help="--compare-decoders: the KV pool's dtype (kvCache.dtype)")
     args = p.parse_args()
+    if args.kv_dtype != "auto" and not args.compare_decoders:
+        p.error("--kv-dtype applies to --compare-decoders only (--compare takes a pool dtype as a variant's fourth field)")
     if args.memory:
         memory_report(ModelRunner(dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
                                   evaluate_quantization=False, num_blocks=64))
