@@ -373,17 +373,22 @@ def test_a_step_with_a_long_chunk_runs_the_lean_forward_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize("kv_cache_dtype,tolerance", [("float32", TINY_TOLERANCE), ("float16", FP16_POOL_TOLERANCE)])
 def test_the_portable_build_runs_a_step_of_more_than_eight_rows(kv_cache_dtype, tolerance, tmp_path, monkeypatch):
-    """The C without AVX2 (what an ARM or older x86 CPU builds) over 12 decodes and a short chunk:
-    its products take rows in passes of 8, so 20 rows cross a pass boundary; over either pool dtype
-    (a float16 one through its scalar conversions)."""
+    """The C without AVX2 (what an ARM or older x86 CPU builds) over 20 decodes: its products take
+    rows in passes of 8, so 20 rows cross a pass boundary; over either pool dtype (a float16 one
+    through its scalar conversions). A step with a chunk runs the lean forward there
+    (FUSED_BOUNDS_PORTABLE), however short the chunk."""
     from .test_lowbit import PORTABLE_FLAGS
 
     portable = lowbit.load(lowbit.build(tmp_path / "portable", flags=PORTABLE_FLAGS))
     assert portable.isa == "generic"
     monkeypatch.setattr(lowbit, "_loaded", portable)
     runner = _runner(build_tiny_model("qwen2", tmp_path / "q"), quantization="w4a16", kv_cache_dtype=kv_cache_dtype)
-    seqs = [([b], 3 + b, 1) for b in range(12)] + [([20, 21], 4, 8)]
-    assert runs_fused(_step(runner, seqs, True, torch.Generator())[2])
+    inner = runner.model.model
+    choose = fused_decoder(inner, lean_family(inner).window).choose
+    with_chunk = [([b], 3 + b, 1) for b in range(12)] + [([20, 21], 4, 1), ([22], 0, 2)]
+    assert not choose(_step(runner, with_chunk, True, torch.Generator())[2])
+    seqs = [([b], 3 + b % 12, 1) for b in range(20)]
+    assert choose(_step(runner, seqs, True, torch.Generator())[2])
     got, want, fused_cache, lean_cache = _both(runner, seqs, seed=3)
     print(f"\nportable build, {kv_cache_dtype} pool, fused vs lean: {_rel(got, want):.1e}")
     assert got.shape[0] == 20 and 0 < _rel(got, want) < tolerance

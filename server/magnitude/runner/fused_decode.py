@@ -258,6 +258,16 @@ FUSED_BOUNDS_BF16PREFILL_FP32_POOL = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF
 # AVX-512 without BF16) torch's bf16 products cost more and the bound is the safer for it.
 FUSED_MAX_CHUNK_ROWS_DENSE_BF16 = 32
 FUSED_BOUNDS_DENSE_BF16 = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_DENSE_BF16)
+# The portable build (lowbit isa "generic": no AVX2, what an older x86 or a non-x86 CPU compiles)
+# attends in plain C, where torch's attention still has its vectors, so every bound above (measured
+# on AVX2 and AVX-512 builds) admits steps it loses. Fused against lean under w4a16, a proxy on an
+# AVX-512 EPYC (the kernels built with -mno-avx2 -mno-avx512f -mno-fma added, torch held to
+# ATEN_CPU_CAPABILITY=default; `bench/step_profile.py --compare-decoders --dtype float32
+# --quantization w4a16 --threads 2 --batches 3 --contexts 100 --prefills 64,128,256,64@1000,3+100@1300
+# --steps 5`, 2026-12-06, bench/results/runner_llama.md S51): 3 decodes at 100 0.87x; chunks of 64,
+# 128 and 256 rows from position 0 1.01x, 1.04x and 1.06x; 64 at 1,000 1.78x and 3 decodes beside
+# 100 at 1,300 2.21x. So there a step runs fused only when it has no chunk rows.
+FUSED_BOUNDS_PORTABLE = dict(max_chunk_rows=0)
 
 
 def runs_fused(batch: PagedBatch, max_chunk_rows: int = FUSED_MAX_CHUNK_ROWS,
@@ -289,8 +299,8 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     not SiLU, or neither fp32 with w4a16 (or w4a8) on Magnitude's kernels throughout nor bf16
     throughout on the CPU with the kernels built for AVX2 or AVX-512 (not where
     MAGNITUDE_LOWBIT_KERNEL=torch, the build failed or took the portable path). The forward returns the final norm's output in the model's dtype, or None for a
-    step `choose` declines (by default `runs_fused` with FUSED_BOUNDS_W4A16 under w4a16, its own bounds
-    under w4a8, runs_fused_bf16prefill under w4a16-bf16prefill and FUSED_BOUNDS_DENSE_BF16 for a bf16
+    step `choose` declines (by default `runs_fused` with FUSED_BOUNDS_PORTABLE on the portable build,
+    else FUSED_BOUNDS_W4A16 under w4a16, its own bounds under w4a8, runs_fused_bf16prefill under w4a16-bf16prefill and FUSED_BOUNDS_DENSE_BF16 for a bf16
     model), for the caller to run the lean
     forward.
 
@@ -359,7 +369,9 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                 intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling),
                 act_int8=int(kind == "int8"), dense_bf16=int(dense))
     bf16prefill = kind == "bf16prefill"  # its products read the step's marked rows
-    if choose is runs_fused and kind == "fp32":  # w4a16
+    if choose is runs_fused and kernel.isa == "generic":  # int4 products only: dense needs vectors (above)
+        choose = functools.partial(runs_fused, **FUSED_BOUNDS_PORTABLE)
+    elif choose is runs_fused and kind == "fp32":  # w4a16
         choose = functools.partial(runs_fused, **FUSED_BOUNDS_W4A16)
     elif choose is runs_fused and (bf16prefill or dense):
         choose = functools.partial(runs_fused, **FUSED_BOUNDS_DENSE_BF16) if dense else runs_fused_bf16prefill
