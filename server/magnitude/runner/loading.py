@@ -138,27 +138,24 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def _convert_gguf(src: ResolvedSource, dtype: torch.dtype, out: Path, progress: ProgressFn) -> None:
     """De-quantize the GGUF once and save model + tokenizer as a plain HF directory (atomically):
-    tensor by tensor where gguf_convert takes the architecture, else through transformers' model."""
+    tensor by tensor where gguf_convert takes the architecture, else through transformers' model.
+    The tokenizer is parsed after the weights are written: its parse is a peak of its own."""
     from transformers import AutoTokenizer
 
     progress("converting", 0.0)
-    tokenizer = AutoTokenizer.from_pretrained(src.path.parent, gguf_file=src.path.name)
-    progress("converting", 0.2)
-    if gguf_convert.streamable(src.path):
-        def write_model(tmp: Path) -> None:
-            gguf_convert.stream_convert(src.path, dtype, tmp, src.name)
-    else:
-        model = _gguf_model(src, dtype)
-        progress("converting", 0.8)
-        write_model = model.save_pretrained
 
     def fill(tmp: Path) -> None:
-        write_model(tmp)
-        tokenizer.save_pretrained(tmp)
+        if gguf_convert.streamable(src.path):
+            gguf_convert.stream_convert(src.path, dtype, tmp, src.name)
+        else:
+            _gguf_model(src, dtype).save_pretrained(tmp)
+        file_pages.trim_heap()  # the de-quantized tensors' heap pages
+        progress("converting", 0.8)
+        AutoTokenizer.from_pretrained(src.path.parent, gguf_file=src.path.name).save_pretrained(tmp)
 
     model_cache.write_entry(out, fill, {"source": src.source or str(src.path), "revision": src.revision,
                                         "dtype": str(dtype)})
-    file_pages.trim_heap()  # the de-quantized tensors' heap pages, before the weights are loaded beside them
+    file_pages.trim_heap()  # the tokenizer's parse, before the weights are loaded
     progress("converting", 1.0)
 
 
