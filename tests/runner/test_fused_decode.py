@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 
@@ -21,6 +22,7 @@ from magnitude.runner.attention import SeqSlice, build_paged_batch  # noqa: E402
 from magnitude.runner.fused_decode import (FUSED_BOUNDS_W4A16, FUSED_MAX_CHUNK_KEYS,  # noqa: E402
                                            FUSED_MAX_CHUNK_KEYS_W4A16, FUSED_MAX_CHUNK_ROWS,
                                            FUSED_MAX_CHUNK_ROWS_DENSE_BF16, FUSED_MAX_CHUNK_ROWS_W4A16,
+                                           FUSED_MAX_CHUNK_ROWS_W4A16_AVX2,
                                            fused_decoder, runs_fused)
 from magnitude.runner.paged_decoder import lean_family, lean_forward, paged_decoder  # noqa: E402
 from magnitude.runner.quant_eval import kernel_description  # noqa: E402
@@ -404,18 +406,40 @@ def test_a_block_id_outside_the_pool_is_refused_before_the_native_call(tmp_path)
         paged_decoder(runner.model.model)(ids, pos, batch)
 
 
+def _shaped_batch(runner, seqs):
+    """A paged batch of `seqs`, (tokens cached, tokens this step) each; block tables are not read."""
+    slices, offset = [], 0
+    for cached, n in seqs:
+        slices.append(SeqSlice(offset, n, cached, list(range(-(-(cached + n) // BLOCK)))))
+        offset += n
+    return build_paged_batch(slices, BLOCK, runner.kv.k_layers, runner.kv.v_layers, runner.device)
+
+
+# w4a16's chunk rows per build of the kernels (fused_decode.py has the measurements)
+W4A16_CHUNK_ROWS = {"avx512": FUSED_MAX_CHUNK_ROWS_W4A16, "avx2": FUSED_MAX_CHUNK_ROWS_W4A16_AVX2, "generic": 0}
+
+
+def test_w4a16_chunk_rows_by_build(kernel, tmp_path, monkeypatch):
+    """Under w4a16 a step runs fused with up to FUSED_MAX_CHUNK_ROWS_W4A16 chunk rows on the AVX-512
+    build, FUSED_MAX_CHUNK_ROWS_W4A16_AVX2 on the AVX2 one and none on the portable one, decodes in
+    any number on each."""
+    monkeypatch.setattr(lowbit, "_loaded", kernel)
+    runner = _runner(build_tiny_model("llama", tmp_path / "w"), quantization="w4a16")
+    inner = runner.model.model
+    choose = fused_decoder(inner, lean_family(inner).window).choose
+    rows = W4A16_CHUNK_ROWS[kernel.isa]
+    assert choose(_shaped_batch(runner, [(100, 1)] * 96))
+    assert choose(_shaped_batch(runner, [(100, 1)] * 8 + ([(0, rows)] if rows else [])))
+    # (a one-token chunk is a decode row to the step: it groups with them)
+    assert not choose(_shaped_batch(runner, [(100, 1)] + [(0, max(rows + 1, 2))]))
+
+
 def test_which_steps_run_fused(tmp_path):
     """Decodes at any context and in any number; chunks while the step has at most
     FUSED_MAX_CHUNK_ROWS of their rows and they attend to FUSED_MAX_CHUNK_KEYS keys or fewer together
     (runs_fused's defaults, w4a8's), under w4a16 up to its own larger bounds."""
     runner = _runner(build_tiny_model("llama", tmp_path / "l"))
-
-    def batch(seqs):  # (tokens cached, tokens this step); block tables are not read
-        slices, offset = [], 0
-        for cached, n in seqs:
-            slices.append(SeqSlice(offset, n, cached, list(range(-(-(cached + n) // BLOCK)))))
-            offset += n
-        return build_paged_batch(slices, BLOCK, runner.kv.k_layers, runner.kv.v_layers, runner.device)
+    batch = functools.partial(_shaped_batch, runner)
 
     assert runs_fused(batch([(3000, 1)] * 8))  # decodes only, long contexts
     assert runs_fused(batch([(100, 1)] * 96))  # more decode rows than a chunk may have
@@ -427,14 +451,14 @@ def test_which_steps_run_fused(tmp_path):
     assert runs_fused(batch([(deep, 16), (5000, 1)]))
     assert not runs_fused(batch([(deep + 1, 16), (5, 1)]))
     assert not runs_fused(batch([(deep // 2, 16), (deep // 2, 16)]))  # two chunks count together
-    # a w4a16 model's: chunks up to FUSED_MAX_CHUNK_ROWS_W4A16 rows and FUSED_MAX_CHUNK_KEYS_W4A16 keys
-    # (its products blocked for many rows, lowbit_kernels.c); the bounds above are w4a8's
-    _native_or_skip()
+    # a w4a16 model's: chunks up to its build's rows and FUSED_MAX_CHUNK_KEYS_W4A16 keys (its products
+    # blocked for many rows, lowbit_kernels.c; test_w4a16_chunk_rows_by_build); the bounds above are w4a8's
+    built = _native_or_skip()
     w4a16 = _runner(build_tiny_model("llama", tmp_path / "w"), quantization="w4a16")
     choose = fused_decoder(w4a16.model.model, lean_family(w4a16.model.model).window).choose
-    assert FUSED_MAX_CHUNK_ROWS_W4A16 > FUSED_MAX_CHUNK_ROWS and FUSED_MAX_CHUNK_KEYS_W4A16 > FUSED_MAX_CHUNK_KEYS
-    assert choose(batch([(100, 1)] * 8 + [(0, FUSED_MAX_CHUNK_ROWS_W4A16)]))
-    assert not choose(batch([(100, 1)] + [(0, FUSED_MAX_CHUNK_ROWS_W4A16 + 1)]))
+    assert FUSED_MAX_CHUNK_ROWS_W4A16_AVX2 > FUSED_MAX_CHUNK_ROWS and FUSED_MAX_CHUNK_KEYS_W4A16 > FUSED_MAX_CHUNK_KEYS
+    assert choose(batch([(100, 1)] * 8 + [(0, W4A16_CHUNK_ROWS[built.isa])]))
+    assert not choose(batch([(100, 1)] + [(0, W4A16_CHUNK_ROWS[built.isa] + 1)]))
     deep16 = (FUSED_MAX_CHUNK_KEYS_W4A16 - 136) // 16
     assert choose(batch([(deep16, 16), (5000, 1)])) and not choose(batch([(deep16 + 1, 16)]))
     assert runs_fused(batch([(deep16, 16)]), **FUSED_BOUNDS_W4A16)

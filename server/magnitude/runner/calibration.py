@@ -57,7 +57,7 @@ ATTENTION_CHUNK = 128
 GRID_SHARE = 0.6
 ATTENTION_REPEATS = 5
 # Bumped when the measurement changes meaning, so cached tables from older code are not reused.
-CALIBRATION_VERSION = "17"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
+CALIBRATION_VERSION = "18"  # 2: per_swap_token by measure_swap; 3: the attention figures, median cells;
 # 4: the lean Llama forward (runner/paged_decoder.py), small decode steps about 15% cheaper;
 # 5: Magnitude's low-bit kernels (runner/lowbit.py) for w4a16/w8a16;
 # 6: the fused step's vectorised attention and its routing by chunk keys (runner/fused_decode.py);
@@ -72,6 +72,7 @@ CALIBRATION_VERSION = "17"  # 2: per_swap_token by measure_swap; 3: the attentio
 # 15: not where the wider column's step would pass CALIBRATION_WIDEST_STEP_S
 # 16: under w4a16-bf16prefill over a float16 pool chunks of up to 270k keys run fused (their reads widened once)
 # 17: under w4a16 chunks of up to 512 rows and 150k keys run fused (its products blocked for many rows)
+# 18: under w4a16 chunks run fused up to 128 rows on the AVX2 build, none on the portable one
 
 # The grid's prefill columns are doubled, up to this many tokens, while the efficient prefill-only
 # step lies past the last one (sim/cost.py efficient_step_past_table): the default ITL target is

@@ -211,6 +211,15 @@ FUSED_MAX_CHUNK_KEYS = 64_000
 # are not blocked and keep the bounds above.
 FUSED_MAX_CHUNK_ROWS_W4A16 = 512
 FUSED_MAX_CHUNK_KEYS_W4A16 = 150_000
+# That AVX2 build was a proxy on an AMX Xeon's memory and caches. On a real AVX2-only CPU (two AMD
+# EPYC Zen 3 cores, 2026-12-06, bench/results/runner_llama.md S52; the first command above with
+# `--prefills 64,128,256,512,64@1000,256@500,3+100@1300,128@2000,256@1000 --steps 7`, then
+# `--prefills 128,256,384,512,3+256@200`), fused against lean: 3 decodes 0.39x and 0.38x, a chunk of
+# 64 rows 0.91x, 64 at 1,000 0.99x, 3 decodes beside 100 at 1,300 0.89x, but chunks of 128 rows
+# 1.02x and 1.07x, 256 0.96x and 1.10x, 384 1.07x, 512 1.12x and 1.02x, 3 beside 256 at 200 1.01x.
+# So on the AVX2 build w4a16's chunks run fused up to FUSED_MAX_CHUNK_ROWS_W4A16_AVX2 rows, where
+# the two forwards meet, under the same key bound.
+FUSED_MAX_CHUNK_ROWS_W4A16_AVX2 = 128
 # With w4a16-bf16prefill's bf16 products a chunk's products are about 3x cheaper in both forwards,
 # and the fused step beats the lean forward at every chunk size measured, and up to about twice the
 # keys. Fused against lean, two AVX-512 BF16 EPYC cores (`bench/step_profile.py
@@ -242,6 +251,7 @@ FUSED_POOL_DTYPES = (torch.float32, torch.float16)
 
 
 FUSED_BOUNDS_W4A16 = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_W4A16, max_chunk_keys=FUSED_MAX_CHUNK_KEYS_W4A16)
+FUSED_BOUNDS_W4A16_AVX2 = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_W4A16_AVX2, max_chunk_keys=FUSED_MAX_CHUNK_KEYS_W4A16)
 FUSED_BOUNDS_BF16PREFILL = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16, max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16)
 FUSED_BOUNDS_BF16PREFILL_FP32_POOL = dict(max_chunk_rows=FUSED_MAX_CHUNK_ROWS_BF16,
                                           max_chunk_keys=FUSED_MAX_CHUNK_KEYS_BF16_FP32_POOL)
@@ -300,7 +310,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     throughout on the CPU with the kernels built for AVX2 or AVX-512 (not where
     MAGNITUDE_LOWBIT_KERNEL=torch, the build failed or took the portable path). The forward returns the final norm's output in the model's dtype, or None for a
     step `choose` declines (by default `runs_fused` with FUSED_BOUNDS_PORTABLE on the portable build,
-    else FUSED_BOUNDS_W4A16 under w4a16, its own bounds under w4a8, runs_fused_bf16prefill under w4a16-bf16prefill and FUSED_BOUNDS_DENSE_BF16 for a bf16
+    else under w4a16 FUSED_BOUNDS_W4A16 (FUSED_BOUNDS_W4A16_AVX2 on the AVX2 build), its own bounds under w4a8, runs_fused_bf16prefill under w4a16-bf16prefill and FUSED_BOUNDS_DENSE_BF16 for a bf16
     model), for the caller to run the lean
     forward.
 
@@ -372,7 +382,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     if choose is runs_fused and kernel.isa == "generic":  # int4 products only: dense needs vectors (above)
         choose = functools.partial(runs_fused, **FUSED_BOUNDS_PORTABLE)
     elif choose is runs_fused and kind == "fp32":  # w4a16
-        choose = functools.partial(runs_fused, **FUSED_BOUNDS_W4A16)
+        choose = functools.partial(runs_fused, **(FUSED_BOUNDS_W4A16_AVX2 if kernel.isa == "avx2" else FUSED_BOUNDS_W4A16))
     elif choose is runs_fused and (bf16prefill or dense):
         choose = functools.partial(runs_fused, **FUSED_BOUNDS_DENSE_BF16) if dense else runs_fused_bf16prefill
     rope = _RopeTable(inner.rotary_emb)
