@@ -6,7 +6,8 @@ SmolLM2-135M's start peaked at 1,340 MiB that way against 925 MiB for a start th
 conversion cached (bench/results/runner_llama.md S51). `stream_convert` writes the same tensors
 (transformers' own name map and tensor processors, so the loaded model is equal to theirs, which
 tests/runner/test_gguf_convert.py checks) into safetensors shards of at most SHARD_BYTES, holding
-one shard and one tensor's de-quantization at a time. It takes the architectures transformers
+one shard and one tensor's bytes and de-quantization at a time (the bytes read, not mapped, so a
+checkpoint of many GiB does not stay resident as it is converted). It takes the architectures transformers
 converts through its per-tensor path with the Llama or the plain processor (Llama, Mistral,
 Qwen2, ...); `streamable` says which, and the caller converts the others transformers' way.
 """
@@ -22,7 +23,7 @@ import torch
 from magnitude.runner.file_pages import trim_heap
 
 SHARD_BYTES = 64 * 1024 * 1024
-DEQUANTIZE_ROWS = 4096
+DEQUANTIZE_ROWS = 1024
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -77,33 +78,53 @@ def stream_convert(path: Path, dtype: torch.dtype, out: Path, name: str) -> None
     generation = GenerationConfig.from_model_config(config)
     del skeleton
 
-    trim_heap()  # the metadata's parse (the tokenizer's arrays): freed, now given back before the weights
+    # The tensors' descriptions without the reader: it holds every metadata field parsed (the
+    # tokenizer's 49,152 tokens and merges, each an array of its own), which the loop does not need.
+    tensors = GGUFReader(str(path)).tensors
+    trim_heap()  # the metadata's parses, freed, given back before the weights
 
     writer = _ShardWriter(out)
-    for tensor in GGUFReader(str(path)).tensors:
-        result = processor.process(weights=_dequantized(tensor, dequantize), name=tensor.name)
-        if result.name not in names:  # e.g. rope_freqs: transformers drops them too
-            continue
-        # a view of the file (an F32 tensor) is copied, an array of our own is taken as it is
-        weights = np.require(result.weights, requirements=["C_CONTIGUOUS", "WRITEABLE", "OWNDATA"])
-        writer.add(names[result.name], torch.from_numpy(weights).to(dtype))
+    with path.open("rb") as file:
+        for tensor in tensors:
+            _convert_tensor(tensor, _read(file, tensor), dequantize, processor, names, dtype, writer)
     writer.close()
     config.save_pretrained(out)
     generation.save_pretrained(out)
 
 
-def _dequantized(tensor: Any, dequantize: Callable[[np.ndarray, Any], np.ndarray]) -> np.ndarray:
-    """gguf's `dequantize` of `tensor` (a GGUFReader tensor), DEQUANTIZE_ROWS rows at a time into
-    one array: the whole tensor at once holds several float copies of it (SmolLM2's Q8_0
+def _read(file: Any, tensor: Any) -> np.ndarray:
+    """The tensor's bytes read from the open file, shaped as the reader's view of them: read, not
+    mapped, so they leave the process when converted (the reader's mapping would keep every page it
+    touched resident until it is closed: the whole file by the last tensor)."""
+    file.seek(tensor.data_offset)
+    raw = np.fromfile(file, dtype=np.uint8, count=tensor.n_bytes)
+    if raw.size != tensor.n_bytes:
+        raise ValueError(f"{tensor.name}: the file ends before its {tensor.n_bytes} bytes")
+    return raw.view(tensor.data.dtype).reshape(tensor.data.shape)
+
+
+def _convert_tensor(tensor: Any, data: np.ndarray, dequantize: Callable[[np.ndarray, Any], np.ndarray],
+                    processor: Any, names: dict[str, str], dtype: torch.dtype, writer: _ShardWriter) -> None:
+    """De-quantize one tensor, apply transformers' processor and name map, and hand it to `writer`."""
+    result = processor.process(weights=_dequantized(data, tensor.tensor_type, dequantize), name=tensor.name)
+    if result.name not in names:  # e.g. rope_freqs: transformers drops them too
+        return
+    # a view of the bytes read (an F32 tensor) is copied, an array of our own is taken as it is
+    weights = np.require(result.weights, requirements=["C_CONTIGUOUS", "WRITEABLE", "OWNDATA"])
+    writer.add(names[result.name], torch.from_numpy(weights).to(dtype))
+
+
+def _dequantized(data: np.ndarray, kind: Any, dequantize: Callable[[np.ndarray, Any], np.ndarray]) -> np.ndarray:
+    """gguf's `dequantize` of a tensor's `data` (of GGML type `kind`), DEQUANTIZE_ROWS rows at a
+    time into one array: the whole tensor at once holds several float copies of it (SmolLM2's Q8_0
     embeddings, 108 MiB in fp32, took 140 MiB more than their result)."""
-    data = tensor.data
     if data.ndim < 2 or data.shape[0] <= DEQUANTIZE_ROWS:
-        return dequantize(data, tensor.tensor_type)
-    first = dequantize(data[:DEQUANTIZE_ROWS], tensor.tensor_type)
+        return dequantize(data, kind)
+    first = dequantize(data[:DEQUANTIZE_ROWS], kind)
     out = np.empty((data.shape[0], *first.shape[1:]), dtype=first.dtype)
     out[:DEQUANTIZE_ROWS] = first
     for start in range(DEQUANTIZE_ROWS, data.shape[0], DEQUANTIZE_ROWS):
-        out[start:start + DEQUANTIZE_ROWS] = dequantize(data[start:start + DEQUANTIZE_ROWS], tensor.tensor_type)
+        out[start:start + DEQUANTIZE_ROWS] = dequantize(data[start:start + DEQUANTIZE_ROWS], kind)
     return out
 
 
