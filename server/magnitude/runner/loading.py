@@ -145,9 +145,7 @@ def _convert_gguf(src: ResolvedSource, dtype: torch.dtype, out: Path, progress: 
     progress("converting", 0.0)
 
     def fill(tmp: Path) -> None:
-        if gguf_convert.streamable(src.path):
-            gguf_convert.stream_convert(src.path, dtype, tmp, src.name)
-        else:
+        if not gguf_convert.stream_convert(src.path, dtype, tmp, src.name):
             _gguf_model(src, dtype).save_pretrained(tmp)
         file_pages.trim_heap()  # the de-quantized tensors' heap pages
         progress("converting", 0.8)
