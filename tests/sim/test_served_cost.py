@@ -225,6 +225,30 @@ def test_a_decode_share_keeps_prefill_only_steps_efficient_and_the_target_near()
     assert by_decode.itl_target_ms < by_step.itl_target_ms <= READING_PACE_ITL_MS
 
 
+# The w4a16 table two AVX2 EPYC cores calibrated (2026-12-06 09:03, 2 threads): prefill costs about
+# the same per token at every size, so the table derives 64 tokens and a 163.1 ms target.
+EPYC_AVX2_W4A16 = TableCost(decode_batch_sizes=(0.0, 1.0, 4.0, 16.0), prefill_tokens=(0.0, 16.0, 64.0, 256.0),
+                            seconds=((1e-6, 0.03526, 0.12120, 0.55757), (0.00997, 0.04031, 0.13499, 0.55757),
+                                     (0.01491, 0.04981, 0.14364, 0.61203), (0.05266, 0.07784, 0.20180, 0.64466)))
+
+
+@pytest.mark.parametrize("factor", [0.8, 1.0, 1.34, 2.0])
+def test_a_slow_phase_fitted_as_a_fixed_cost_does_not_raise_the_step_past_reading_pace(factor) -> None:
+    """A slow phase of a shared host stretches every step, and a line fitted through steps of about
+    one size puts that in its fixed cost, up to SERVED_MAX_FIXED_S. Judged on such a line, only big
+    prefill-only steps looked efficient: the engine on these cores derived 192 tokens and a 735.9 ms
+    target again from served steps. The prefill-only step is judged on the table; the line raises the
+    step beside the decodes only within reading pace, and the target carries the margin."""
+    sp = resolve_config(None, []).scheduler
+    table = derive_scheduler_limits(sp, EPYC_AVX2_W4A16)
+    assert (table.token_budget, table.prefill_chunk_size) == (64, 64)
+    served = ServedBound(ServedCost(EPYC_AVX2_W4A16, factor, SERVED_DERIVE_STEPS, SERVED_MAX_FIXED_S, margin=0.2))
+    limits = derive_scheduler_limits(sp, served)
+    print(f"\n{served.name}: {limits}")
+    assert limits.prefill_chunk_size <= table.prefill_chunk_size
+    assert limits.itl_target_ms <= READING_PACE_ITL_MS * 1.2 + 0.1
+
+
 # A table whose steps cost in proportion to their tokens (1 ms each, decodes and prefill alike), as
 # this CPU's w4a16 table nearly does: prefill-only steps have no fixed cost, so 16 tokens are already
 # efficient alone; beside 8 decodes (8 ms a step whatever the chunk) 90% of the rate takes 72+.
