@@ -237,8 +237,8 @@ def test_a_slow_phase_fitted_as_a_fixed_cost_does_not_raise_the_step_past_readin
     """A slow phase of a shared host stretches every step, and a line fitted through steps of about
     one size puts that in its fixed cost, up to SERVED_MAX_FIXED_S. Judged on such a line, only big
     prefill-only steps looked efficient: the engine on these cores derived 192 tokens and a 735.9 ms
-    target again from served steps. The prefill-only step is judged on the table; the line raises the
-    step beside the decodes only within reading pace, and the target carries the margin."""
+    target again from served steps. A served line raises the table's prefill-only step only within
+    reading pace, and the target carries the margin."""
     sp = resolve_config(None, []).scheduler
     table = derive_scheduler_limits(sp, EPYC_AVX2_W4A16)
     assert (table.token_budget, table.prefill_chunk_size) == (64, 64)

@@ -495,13 +495,13 @@ MAX_DERIVED_BUDGET = 65_536
 READING_PACE_ITL_MS = 200.0
 # The share of the prefill-only rate the efficient step gives up for reading pace: where that step
 # beside the decodes is predicted past READING_PACE_ITL_MS, it is lowered to the largest candidate
-# within it if that candidate keeps this share of the table's best rate. On two AVX-512 EPYC cores
+# within it if that candidate keeps this share of the line's best rate. On two AVX-512 EPYC cores
 # (w4a16-bf16prefill) a served line of 7.4 ms + 0.943x the table, fitted during the long-prompt
-# trace, made 192 tokens the efficient step and the target 299.6 ms while the prefill-only step was
-# judged on served lines (a chunk at 90% needs 9x the fixed cost's worth of tokens, and 128 kept 89%
-# on that line); budget 128 served that trace at the same throughput (103.1 against 102.5 tok/s,
-# bench/results/derived_defaults.md, 2026-12-05). fp32's small steps keep far less (16 tokens
-# 150 ms, 256 tokens 554 ms), so it keeps its step.
+# trace, made 192 tokens the efficient step and the target 299.6 ms (a chunk at 90% needs 9x the
+# fixed cost's worth of tokens, and 128 keeps 89% on that line); budget 128 served that trace at the same
+# throughput (103.1 against 102.5 tok/s, bench/results/derived_defaults.md, 2026-12-05). (A served
+# line's step is now held within reading pace where the table's own is smaller: efficient_prefill_step.)
+# fp32's small steps keep far less (16 tokens 150 ms, 256 tokens 554 ms), so it keeps its step.
 PACED_PREFILL_EFFICIENCY = 0.8
 # Prefill step sizes compared for the default target (tokens per step).
 EFFICIENT_STEP_CANDIDATES = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048)
@@ -636,46 +636,53 @@ def _prefill_step(cost: CostModel, candidates: list[int], decodes: int) -> int:
     return _efficient_by_rate(cost, candidates, decodes)
 
 
-def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float, bool]:
-    """The default chunk, the ITL target in ms, and whether the chunk was raised for the decodes.
-    The chunk: the efficient prefill-only step on the table as measured (_prefill_step with no
-    decodes; candidates within a table's measured range; where that is the last candidate, the
-    smallest measured column of at least the first candidate's tokens within PREFILL_EFFICIENCY of
-    the best such column's rate, _efficient_by_rate; a served line's fixed cost is not charged here:
-    see the comment in the body), lowered to the largest candidate predicted within READING_PACE_ITL_MS
-    beside d decodes where it is past that and the candidate keeps PACED_PREFILL_EFFICIENCY of the
-    table's rate (_prefill_efficiency), raised where steps beside d = min(maxSequences, TYPICAL_DECODES)
-    decodes are efficient only at a bigger size, to that size, but not past the largest candidate
-    whose step beside the d decodes is predicted within READING_PACE_ITL_MS (on a ServedBound, by its
-    line: what the step takes). The target: the predicted time of the chunk beside the d decodes
-    (on a ServedBound, its margin included), rounded up to 0.1 ms so the step it was chosen for fits
-    the bound."""
-    table = measured_model(cost)
-    top = max(table.prefill_tokens) if isinstance(table, TableCost) else MAX_DERIVED_BUDGET
-    candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
-    d = min(max_sequences, TYPICAL_DECODES)
-    # The prefill-only step is judged on the table, not on a served line. A line's fixed cost is fitted
-    # from steps whose sizes hardly differ (an ITL bound keeps them alike), so a slow phase of a shared
-    # host, which stretches every step, comes out as a fixed cost up to SERVED_MAX_FIXED_S, and on
-    # such a line only big prefill-only steps look efficient: two AVX2 EPYC cores (w4a16), whose table
-    # derives 64 tokens and 163 ms, derived 192 tokens and a 735.9 ms target again from served steps in
-    # one mixed-trace run, and its streams' ITL p50 was 0.40 s (bench/results/derived_defaults.md,
-    # 2026-12-06). What served steps add is charged where streams wait on it: the step beside the
-    # decodes, raised within reading pace, and the target, both on the line (below).
-    chunk = _prefill_step(table, candidates, 0)
-    columns = [p for p in _columns(table) if p >= candidates[0]] if isinstance(table, TableCost) else []
+def _prefill_only_step(cost: CostModel, candidates: list[int], columns: list[int]) -> int:
+    """The efficient prefill-only step (_prefill_step with no decodes); where that is the last
+    candidate, the smallest of the table's measured `columns` (those of at least the first
+    candidate's tokens) within PREFILL_EFFICIENCY of the best such column's rate."""
+    chunk = _prefill_step(cost, candidates, 0)
     if chunk == candidates[-1] and len(columns) > 1:
         # The lines put the step at (or past) the largest candidate within the table; a line's best
         # rate is where its fixed cost vanishes, but attention grows with the square of a chunk, so
         # measured rates level off first. The measured columns decide: on two Xeon cores with AMX
         # (bf16) the lines through 16 ... 1,024 tokens put 90% of their best past 600 tokens, while
         # 512 tokens already ran at 96% of 1,024's measured rate (runner/calibration.py).
-        chunk = min(chunk, _efficient_by_rate(table, columns))
+        chunk = min(chunk, _efficient_by_rate(cost, columns))
+    return chunk
+
+
+def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, float, bool]:
+    """The default chunk, the ITL target in ms, and whether the chunk was raised for the decodes.
+    The chunk: the efficient prefill-only step (_prefill_only_step; on a served model no bigger than
+    the table's own, or than the largest candidate within reading pace beside d decodes where that is
+    bigger: see the comment in the body), lowered to the largest candidate predicted within
+    READING_PACE_ITL_MS beside d decodes where it is past that and the candidate keeps
+    PACED_PREFILL_EFFICIENCY of the rate (_prefill_efficiency), raised where steps beside
+    d = min(maxSequences, TYPICAL_DECODES) decodes are efficient only at a bigger size, to that size,
+    but not past the largest candidate whose step beside the d decodes is predicted within
+    READING_PACE_ITL_MS (on a ServedBound, by its line: what the step takes). The target: the
+    predicted time of the chunk beside the d decodes (on a ServedBound, its margin included), rounded
+    up to 0.1 ms so the step it was chosen for fits the bound."""
+    table = measured_model(cost)
+    top = max(table.prefill_tokens) if isinstance(table, TableCost) else MAX_DERIVED_BUDGET
+    candidates = [c for c in EFFICIENT_STEP_CANDIDATES if c <= max(top, MIN_DERIVED_BUDGET)]
+    d = min(max_sequences, TYPICAL_DECODES)
+    columns = [p for p in _columns(table) if p >= candidates[0]] if isinstance(table, TableCost) else []
+    chunk = _prefill_only_step(cost, candidates, columns)
     # The pace is judged on what steps take (a bound's line), the target promised on the bound: a
     # margin for the steps' scatter scales every step alike, so the chunk it is judged on is the same.
     pace = cost.served if isinstance(cost, ServedBound) else cost
     paced = [c for c in candidates if pace.seconds_for(d, c) * 1000.0 <= READING_PACE_ITL_MS]
-    if paced and chunk > max(paced) and _prefill_efficiency(table, candidates, max(paced)) >= PACED_PREFILL_EFFICIENCY:
+    if cost is not table:
+        # A served line raises the table's prefill-only step only within reading pace. Its fixed cost
+        # is fitted from steps whose sizes hardly differ (an ITL bound keeps them alike), so a slow
+        # phase of a shared host, which stretches every step, comes out as a fixed cost of up to
+        # SERVED_MAX_FIXED_S, and on such a line only big prefill-only steps look efficient: on two
+        # AVX2 EPYC cores (w4a16), whose table derives 64 tokens and 163 ms, one mixed-trace run
+        # derived 192 tokens and a 735.9 ms target again from served steps, and its streams' ITL p50
+        # was 0.40 s (bench/results/derived_defaults.md, 2026-12-06).
+        chunk = min(chunk, max(_prefill_only_step(table, candidates, columns), max(paced, default=0)))
+    if paced and chunk > max(paced) and _prefill_efficiency(cost, candidates, max(paced)) >= PACED_PREFILL_EFFICIENCY:
         chunk = max(paced)
     beside_decodes = min(_prefill_step(cost, candidates, d), max(paced, default=chunk))
     raised = beside_decodes > chunk
