@@ -24,7 +24,11 @@
    that differs; and the limits the engine ended with (/readyz) against the replay's. The engine's
    scheduler decisions (`GET /debug/decisions`) are written beside the recording as decisions.json,
    their `t` moved onto the load generator's clock as the recording is, to set a request's admission
-   beside the replay's events (`magnitude simulate --json`); --keep keeps the directory.
+   beside the replay's events (`magnitude simulate --json`); --keep keeps the directory;
+6. the requests whose first token came most apart (engine against the recorded replay): their
+   class, prompt, arrival, TTFT in each, and when each admitted them, with the reasons they were
+   deferred before (the engine's decisions, the replay's events): which requests a TTFT gap is in,
+   and whether it is in admission or after it.
 """
 
 from __future__ import annotations
@@ -95,6 +99,57 @@ def sim_step_totals(report: dict) -> tuple[int, float, int]:
     """Steps, their seconds and the decodes they carried."""
     steps = report.get("steps") or []
     return len(steps), sum(s["duration"] for s in steps), sum(len(s["decode"]) for s in steps)
+
+
+def _admission(events: list[dict], request_id: str) -> tuple[float | None, str]:
+    """When `events` (decisions or a replay's events) first admit `request_id`, and the reasons it
+    was deferred before, counted ("itl_target x3")."""
+    admitted, reasons = None, {}
+    for e in events:
+        if e.get("request") != request_id:
+            continue
+        if e["kind"] == "admit":
+            admitted = e["t"]
+            break
+        if e["kind"] == "defer":
+            reasons[e.get("reason")] = reasons.get(e.get("reason"), 0) + 1
+    return admitted, ", ".join(f"{r} x{n}" for r, n in reasons.items()) or "-"
+
+
+def per_request(work: Path, replay: dict, shown: int = 8) -> None:
+    """The `shown` requests whose first token came most apart in the engine and the replay: each
+    engine request (the load generator's report, trace ids) is the recorded one of the same prompt
+    and output lengths nearest its arrival (both on the load generator's clock)."""
+    trace = {r.id: r for r in load_trace(work / "mixed.jsonl")}
+    recorded = list(load_trace(work / "recorded.jsonl"))
+    engine = json.loads((work / "mixed.real.json").read_text())["requests"]
+    decisions_path = work / "decisions.json"
+    decisions = json.loads(decisions_path.read_text()) if decisions_path.exists() else {}
+    decisions = decisions.get("decisions", []) if isinstance(decisions, dict) else decisions
+    replayed = {r["id"]: r for r in replay["requests"]}
+    events = replay.get("events") or []
+    rows = []
+    for e in engine:
+        t = trace[e["id"]]
+        same = [r for r in recorded if (r.prompt_tokens, r.output_tokens) == (t.prompt_tokens, t.output_tokens)]
+        if not same or e.get("first_token") is None:
+            continue
+        rec = min(same, key=lambda r: abs(r.arrival - e["arrival"]))
+        sim = replayed.get(rec.id, {})
+        if sim.get("first_token") is None:
+            continue
+        ttft_e, ttft_s = e["first_token"] - e["arrival"], sim["first_token"] - rec.arrival
+        rows.append((abs(ttft_s - ttft_e), t, e["arrival"], ttft_e, ttft_s, _admission(decisions, rec.id),
+                     _admission(events, rec.id)))
+    rows.sort(key=lambda row: -row[0])
+    print(f"requests whose first token came most apart ({len(rows)} with one in both; arrival and admission "
+          f"on the load generator's clock):")
+    print(f"{'id':>6} {'class':>12} {'prompt':>6} {'arrival':>8} {'ttft eng':>9} {'ttft sim':>9}  "
+          f"{'admit eng':>9} {'deferred (engine)':<24} {'admit sim':>9} deferred (replay)")
+    for _, t, arrival, ttft_e, ttft_s, (adm_e, why_e), (adm_s, why_s) in rows[:shown]:
+        fmt = lambda v: f"{v:9.3f}" if v is not None else f"{'-':>9}"  # noqa: E731
+        print(f"{t.id:>6} {t.priority_class or '-':>12} {t.prompt_tokens:>6} {arrival:8.3f} {ttft_e:9.3f} "
+              f"{ttft_s:9.3f}  {fmt(adm_e)} {why_e:<24} {fmt(adm_s)} {why_s}")
 
 
 def serve_and_load(trace: Path, recorded: Path, serve_args: list[str], env: dict[str, str], cost: Path) -> dict:
@@ -293,6 +348,7 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
                                                                          "itlTargetMs")}])[-1]
     print(f"limits at the end: engine {engine_report.get('engine_limits')}, sim recorded {last} "
           f"({len(replay.get('limits_changes') or [])} changes)")
+    per_request(work, replay)
     return 0
 
 
