@@ -11,10 +11,13 @@
    the table measured in the same process just before it, with `meta.servedFixedSeconds`,
    `meta.servedPerDecodeSeconds` and `meta.servedOverPredicted`, the line this run's served steps fitted against the table, which a
    replay applies, and `meta.servedNoiseMargin`, the steps' scatter about it, which a replay's bound keeps, as it
-   moved over the run: `meta.servedMarginHistory`, on the engine's clock, moved here with the recording onto the
+   moved over the run: `meta.servedMarginHistory`, and the line as it moved, `meta.servedLineHistory`, both on the engine's clock, moved here with the recording onto the
    load generator's), or --cost-model FILE (e.g. `magnitude profile` output);
 4. `magnitude simulate` of the recorded trace with the cost model (what an operator would replay),
-   the same with the margin the engine ended with throughout (no history: "end margin"), the same without the served fit (the calibrated table alone), the same without the attention
+   the same with the margin the engine ended with throughout (no history: "end margin"), the same
+   with every step on the line the engine ended with (no line history: "end line"; a recording
+   priced on the line in force at each step's start is the "recorded" one), the same without the
+   served fit (the calibrated table alone), the same without the attention
    terms either (as before they existed), and the generated trace (arrivals only: no
    preparation, no prefix groups);
 5. prints TTFT p50/p99, ITL p50, E2E p50 and throughput for each, and the ratio simulator / engine
@@ -254,21 +257,23 @@ def main() -> int:
     decisions.write_text(json.dumps([{**d, "t": round(d["t"] - shift, 6)} for d in json.loads(decisions.read_text())]))
     if cost.exists() and not args.cost_model:
         doc = json.loads(cost.read_text())
-        cost.write_text(json.dumps(shifted_margin_history(doc, shift)))
+        cost.write_text(json.dumps(shifted_histories(doc, shift)))
     return compare(work, args)
 
 
-def shifted_margin_history(doc: dict, shift: float) -> dict:
-    """The document with its margin history (engine clock) moved `shift` seconds earlier, as the
-    recording was: the entries before the new 0 collapse into the one in force there, at 0."""
-    meta = doc.get("meta") or {}
-    history = meta.get("servedMarginHistory")
-    if not history:
-        return doc
-    moved = [[round(t - shift, 3), m] for t, m in history]
-    before = [e for e in moved if e[0] <= 0.0]
-    kept = ([[0.0, before[-1][1]]] if before else []) + [e for e in moved if e[0] > 0.0]
-    return {**doc, "meta": {**meta, "servedMarginHistory": kept}}
+def shifted_histories(doc: dict, shift: float) -> dict:
+    """The document with its margin's and line's histories (engine clock) moved `shift` seconds
+    earlier, as the recording was: the entries before the new 0 collapse into the one in force
+    there, at 0."""
+    meta = dict(doc.get("meta") or {})
+    for key in ("servedMarginHistory", "servedLineHistory"):
+        history = meta.get(key)
+        if not history:
+            continue
+        moved = [[round(entry[0] - shift, 3), *entry[1:]] for entry in history]
+        before = [e for e in moved if e[0] <= 0.0]
+        meta[key] = ([[0.0, *before[-1][1:]]] if before else []) + [e for e in moved if e[0] > 0.0]
+    return {**doc, "meta": meta}
 
 
 def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int:
@@ -284,7 +289,8 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     doc = json.loads(cost.read_text())
     unscaled_doc = {**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
                                     if k not in ("servedOverPredicted", "servedFixedSeconds", "servedPerDecodeSeconds",
-                                                 "servedNoiseMargin", "servedMarginHistory", "servedSteps")}}
+                                                 "servedNoiseMargin", "servedMarginHistory", "servedLineHistory",
+                                                 "servedSteps")}}
     unscaled = work / "cost-unscaled.json"
     unscaled.write_text(json.dumps(unscaled_doc))
     table_only = work / "cost-table-only.json"
@@ -294,11 +300,16 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     end_margin = work / "cost-end-margin.json"  # the peer: the margin the engine ended with, throughout
     end_margin.write_text(json.dumps({**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
                                                       if k != "servedMarginHistory"}}))
+    end_line = work / "cost-end-line.json"  # the peer: every step on the line the engine ended with
+    end_line.write_text(json.dumps({**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
+                                                    if k != "servedLineHistory"}}))
     unscaled_replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(unscaled), "--json", *sets))
     sims = {
         "recorded": figures(replay),
         "recorded end margin": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(end_margin),
                                                           "--json", *sets))),
+        "recorded end line": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(end_line),
+                                                        "--json", *sets))),
         "recorded unscaled": figures(unscaled_replay),
         "recorded table-only": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(table_only),
                                                           "--json", *sets))),
@@ -312,7 +323,8 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
         extra = meta["servedFixedSeconds"] * n + meta.get("servedPerDecodeSeconds", 0.0) * decodes
         ratio = min(4.0, max(0.5, meta["servedOverPredicted"] + extra / seconds))
         one_ratio = work / "cost-one-ratio.json"
-        one_ratio.write_text(json.dumps({**doc, "meta": {**meta, "servedOverPredicted": round(ratio, 4),
+        one_ratio.write_text(json.dumps({**doc, "meta": {**{k: v for k, v in meta.items() if k != "servedLineHistory"},
+                                                         "servedOverPredicted": round(ratio, 4),
                                                          "servedFixedSeconds": 0.0, "servedPerDecodeSeconds": 0.0}}))
         sims[f"recorded one ratio {ratio:.3f}"] = figures(json.loads(run_cli(
             "simulate", str(recorded), "--cost-model", str(one_ratio), "--json", *sets)))

@@ -159,7 +159,7 @@ def test_cost_model_file_derives_the_limits_and_is_served(tmp_path: Path) -> Non
         # The file, with what served steps took against it so far (none yet).
         served = {**doc, "meta": {"device": "cpu", "servedOverPredicted": 1.0, "servedFixedSeconds": 0.0,
                                   "servedPerDecodeSeconds": 0.0, "servedNoiseMargin": 0.0,
-                                  "servedMarginHistory": [], "servedSteps": 0}}
+                                  "servedMarginHistory": [], "servedLineHistory": [], "servedSteps": 0}}
         assert httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer adm"}).json() == served
     finally:
         proc.terminate()
@@ -212,6 +212,12 @@ def test_the_engine_learns_what_its_steps_take_and_reports_it_for_replays(tmp_pa
     assert len(arrivals) == 3 and meta["servedMarginHistory"]
     assert arrivals[0] <= meta["servedMarginHistory"][0][0] <= arrivals[-1]
     assert list(model.margin_history) == [tuple(e) for e in meta["servedMarginHistory"]]
+    # The line's history opens at the SERVED_EARLY_STEPS-th judged step (the ratio of those steps'
+    # seconds, about 2x the table), on the same clock.
+    print(f"line history {meta['servedLineHistory']}")
+    assert arrivals[0] <= meta["servedLineHistory"][0][0] <= arrivals[-1]
+    assert 1.5 <= meta["servedLineHistory"][0][3] <= 3.0
+    assert list(model.line_history) == [tuple(e) for e in meta["servedLineHistory"]]
 
 
 def test_derived_limits_follow_what_served_steps_take(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from magnitude.policy.load import resolve_config
 from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_EARLY_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MARGIN_EVERY,
-                                SERVED_MARGIN_HISTORY, SERVED_MARGIN_HISTORY_STEP,
+                                SERVED_LINE_HISTORY, SERVED_LINE_HISTORY_STEP, SERVED_MARGIN_HISTORY, SERVED_MARGIN_HISTORY_STEP,
                                 SERVED_MAX_FIXED_S, SERVED_MAX_MARGIN, SERVED_MAX_PER_DECODE_S, SERVED_MIN_STEPS,
                                 SERVED_PRIOR_SPREAD, SERVED_WINDOW, CostModelError, SchedulerLimits, ServedBound, ServedCost, TableCost,
                                 READING_PACE_ITL_MS, cost_model_from_document, derivation_model, derive_scheduler_limits,
@@ -383,7 +383,7 @@ def test_a_document_with_the_served_factor_replays_served_times(tmp_path) -> Non
     assert isinstance(served_model, ServedCost) and served_model.steps == 400
     assert served_model.document_meta() == {"servedOverPredicted": 1.5, "servedFixedSeconds": 0.004,
                                             "servedPerDecodeSeconds": 0.0, "servedNoiseMargin": 0.0,
-                                            "servedMarginHistory": [], "servedSteps": 400}
+                                            "servedMarginHistory": [], "servedLineHistory": [], "servedSteps": 400}
     served = simulate(burst, config, served_model)
     # The same plans; every step lasts 4 ms + 1.5x.
     assert [(s.decode, s.prefill) for s in served.steps] == [(s.decode, s.prefill) for s in plain.steps]
@@ -589,3 +589,71 @@ def test_a_replay_follows_the_margin_as_it_moved() -> None:
     print(f"\nlongest decoding step before the move {longest_before * 1000:.1f} ms, after {longest_after * 1000:.1f} ms")
     assert 0.150 / 1.4 + 0.005 < longest_before <= 0.150 + 1e-9
     assert longest_after <= 0.150 / 1.4 + 1e-9
+
+
+def test_the_line_history_dates_each_move() -> None:
+    """From the SERVED_EARLY_STEPS-th judged step, each step that moves the line's time for the
+    window's mean step by SERVED_LINE_HISTORY_STEP or more is kept with the time it was judged at;
+    steady steps add nothing; the document counts seconds from the engine's start."""
+    served = ServedCost(PROPORTIONAL)
+    for i in range(3 * SERVED_WINDOW):
+        p = 0.005 + 0.005 * (i % 20)
+        slow = 1.6 if i < 40 else 1.0  # a slow first few seconds, then the table's own times
+        served.observe(p, p * slow, at=100.0 + 0.1 * i)
+    history = list(served.line_history)
+    print(f"\nline history: {[(round(t, 1), round(f * 1000, 2), round(d * 1000, 2), round(s, 3)) for t, f, d, s in history]}")
+    assert history[0] == (100.0 + 0.1 * (SERVED_EARLY_STEPS - 1), 0.0, 0.0, pytest.approx(1.6))
+    assert [t for t, *_ in history] == sorted(t for t, *_ in history)
+    assert 2 < len(history) < SERVED_WINDOW  # not every step
+    assert served.line_at(0.0) == served.line_at(history[0][0]) == history[0][1:]
+    assert served.line_at(1e9) == history[-1][1:]
+    fixed, per_decode, factor = served.line_at(1e9)
+    assert fixed + factor * 0.05 == pytest.approx(served.fixed_s + served.factor * 0.05, rel=SERVED_LINE_HISTORY_STEP)
+    assert fixed + factor * 0.05 == pytest.approx(0.05, rel=0.02)  # the slow start is out of the window
+    meta = served.document_meta(origin=100.0)
+    assert meta["servedLineHistory"] == [[round(t - 100.0, 3), round(f, 5), round(d, 6), round(k, 4)]
+                                         for t, f, d, k in history]
+    # Steps judged without a time date nothing, and a model without a history prices on its own line.
+    undated = ServedCost(PROPORTIONAL, 1.5, SERVED_DERIVE_STEPS, 0.004)
+    _scattered(undated, 5, 1.5)
+    assert not undated.line_history and undated.line_at(3.0) == (undated.fixed_s, undated.per_decode_s, undated.factor)
+
+
+def test_a_document_carries_the_line_history() -> None:
+    doc = table_document(servedOverPredicted=1.0, servedFixedSeconds=0.004, servedSteps=900,
+                         servedLineHistory=[[0.4, 0.0, 0.0, 1.6], [3.2, 0.019, 0.0018, 1.05], [9.0, 0.004, 0.0, 1.0]])
+    served = cost_model_from_document(json.loads(json.dumps(doc)))
+    assert list(served.line_history) == [(0.4, 0.0, 0.0, 1.6), (3.2, 0.019, 0.0018, 1.05), (9.0, 0.004, 0.0, 1.0)]
+    assert served.document_meta()["servedLineHistory"] == doc["meta"]["servedLineHistory"]
+    assert served.line_at(5.0) == (0.019, 0.0018, 1.05)
+    assert not cost_model_from_document(table_document(servedOverPredicted=1.2)).line_history  # older documents
+
+
+@pytest.mark.parametrize("bad", [{"t": 1}, [[1.0, 0.0, 0.0]], [[-1.0, 0.0, 0.0, 1.0]], [[1.0, 0.06, 0.0, 1.0]],
+                                 [[1.0, 0.0, 0.006, 1.0]], [[1.0, 0.0, 0.0, 0.4]], [[1.0, 0.0, 0.0, 4.5]],
+                                 [[2.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 1.0]], [["1", 0.0, 0.0, 1.0]],
+                                 [[1.0, True, 0.0, 1.0]], [[1.0, float("inf"), 0.0, 1.0]],
+                                 [[float(i), 0.0, 0.0, 1.0] for i in range(SERVED_LINE_HISTORY + 1)]])
+def test_a_malformed_line_history_is_refused_by_name(bad) -> None:
+    with pytest.raises(CostModelError, match="meta.servedLineHistory"):
+        cost_model_from_document(table_document(servedOverPredicted=1.2, servedLineHistory=bad))
+
+
+def test_a_replay_prices_each_step_on_the_line_in_force() -> None:
+    """A document that dates its line (1.8x the table until `moved`, then 4 ms + 1.0x) replays on the
+    same clock: the steps that start before `moved` take the first line's time, the ones after it
+    the second's; the same document without the history prices every step on its own line."""
+    config = resolve_config(None, ["scheduler.tokenBudget=256", "scheduler.prefillChunkSize=128"])
+    meta = {"servedOverPredicted": 1.0, "servedFixedSeconds": 0.004, "servedSteps": 600}
+    table = cost_model_from_document(table_document())
+    own = simulate(documents(), config, cost_model_from_document(table_document(**meta)))
+    moved = own.steps[len(own.steps) // 3].t
+    dated = simulate(documents(), config, cost_model_from_document(table_document(
+        **meta, servedLineHistory=[[0.5, 0.0, 0.0, 1.8], [moved, 0.004, 0.0, 1.0]])))
+    for step in dated.steps:
+        plan_s = table.seconds_for(len(step.decode), sum(n for _, n in step.prefill))
+        want = 1.8 * plan_s if step.t < moved else 0.004 + plan_s
+        assert step.duration == pytest.approx(want, rel=1e-6), step
+    assert any(s.t < moved for s in dated.steps) and any(s.t >= moved for s in dated.steps)
+    for step in own.steps:
+        assert step.duration == pytest.approx(0.004 + table.seconds_for(len(step.decode), sum(n for _, n in step.prefill)))

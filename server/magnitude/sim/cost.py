@@ -252,6 +252,19 @@ SERVED_MIN_STEPS = 16
 # first 16 steps of a burst puts the decodes' share in the fixed cost (their counts do not vary);
 # the next derivation, 64 steps on, sees more shapes.
 SERVED_DERIVE_STEPS = 64
+# The line itself moves over a run, and most in its first seconds: on two AVX2 EPYC cores an engine's
+# 16th judged step fitted 18.9 ms + 1.77 ms a decode + 1.048x, its end 16.8 ms + 0.975x. A replay
+# priced on the end's line ran its first seconds' steps cheaper than the engine's, its bound left
+# room the engine's did not, and it admitted interactive requests 1-2 s sooner: TTFT p50 0.57 of the
+# engine's; priced on the 16th step's line for its first 4 s, 0.89, the other figures within 4%
+# (bench/results/sim_fidelity.md, 2026-12-06). So the learner keeps when its line moved
+# (`line_history`: seconds on the caller's clock, fixed, per decode and scale, each time the line's
+# time for the window's mean step moved by SERVED_LINE_HISTORY_STEP or more, the last
+# SERVED_LINE_HISTORY moves), the document carries it (`meta.servedLineHistory`, on the engine's
+# clock, which recorded traces share), and a replay on that clock prices each step on the line in
+# force at its start (`ServedCost.step_seconds_at`).
+SERVED_LINE_HISTORY = 256
+SERVED_LINE_HISTORY_STEP = 0.01
 
 
 class ServedCost:
@@ -263,13 +276,15 @@ class ServedCost:
     step times (cost_model_from_document), and the steps' scatter about them (`margin`,
     `meta.servedNoiseMargin`: see SERVED_MARGIN_QUANTILE), which the scheduler's bound adds
     (ServedBound), and when that margin moved (`margin_history`, `meta.servedMarginHistory`: see
-    SERVED_MARGIN_HISTORY). The table itself (`model`) stays what the calibration measured; null limits are
+    SERVED_MARGIN_HISTORY) and when the line moved (`line_history`, `meta.servedLineHistory`: see
+    SERVED_LINE_HISTORY). The table itself (`model`) stays what the calibration measured; null limits are
     derived from the served times once SERVED_MIN_STEPS steps are judged (derivation_model), from
     the table before."""
 
     def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0,
                  per_decode_s: float = 0.0, margin: float = 0.0,
-                 margin_history: tuple[tuple[float, float], ...] = ()) -> None:
+                 margin_history: tuple[tuple[float, float], ...] = (),
+                 line_history: tuple[tuple[float, float, float, float], ...] = ()) -> None:
         self.model = model
         self.factor = factor
         self.fixed_s = fixed_s
@@ -277,6 +292,8 @@ class ServedCost:
         self.margin = margin
         # (seconds, margin) each time the margin moved, on the clock of observe's `at`.
         self.margin_history: deque[tuple[float, float]] = deque(margin_history, maxlen=SERVED_MARGIN_HISTORY)
+        # (seconds, fixed, per decode, scale) each time the line moved, on the same clock.
+        self.line_history: deque[tuple[float, float, float, float]] = deque(line_history, maxlen=SERVED_LINE_HISTORY)
         self.steps = steps  # served steps observed, including those the model was read with
         # (predicted, counted real, decodes)
         self._window: deque[tuple[float, float, float]] = deque(maxlen=SERVED_WINDOW)
@@ -311,6 +328,20 @@ class ServedCost:
         elif len(self._window) >= SERVED_EARLY_STEPS:
             lo, hi = SERVED_FACTOR_BOUNDS
             self.fixed_s, self.per_decode_s, self.factor = 0.0, 0.0, min(hi, max(lo, self._sr / self._sp))
+        if at is not None and len(self._window) >= SERVED_EARLY_STEPS and self._line_moved():
+            self.line_history.append((at, self.fixed_s, self.per_decode_s, self.factor))
+
+    def _line_moved(self) -> bool:
+        """Whether the line's time for the window's mean step (mean prediction, mean decodes) moved
+        by SERVED_LINE_HISTORY_STEP or more since the history's last entry (always, with none)."""
+        if not self.line_history:
+            return True
+        n = len(self._window)
+        p, d = self._sp / n, self._sd / n
+        _, fixed, per_decode, factor = self.line_history[-1]
+        before = fixed + per_decode * d + factor * p
+        now = self.fixed_s + self.per_decode_s * d + self.factor * p
+        return abs(now - before) >= SERVED_LINE_HISTORY_STEP * before
 
     def _margin(self) -> float:
         """The window's SERVED_MARGIN_QUANTILE relative residual about the line, weighted by the
@@ -389,13 +420,36 @@ class ServedCost:
     def step_seconds(self, plan: StepPlan) -> float:
         return self._served(self.model.step_seconds(plan), plan_shape(plan, 0)[0])
 
+    def step_seconds_at(self, plan: StepPlan, t: float) -> float:
+        """The step's time on the line in force at `t` (line_at); on this model's own line where
+        it has no history."""
+        fixed, per_decode, factor = self.line_at(t)
+        table_s = self.model.step_seconds(plan)
+        return fixed + per_decode * plan_shape(plan, 0)[0] + factor * table_s if table_s > 0.0 else table_s
+
+    def line_at(self, t: float) -> tuple[float, float, float]:
+        """(fixed, per decode, scale) in force at `t`: the line history's latest entry at or before
+        `t`, the first one before it (the line the first judged steps gave, the best word on the
+        steps before them); this model's own line where it has no history."""
+        if not self.line_history:
+            return self.fixed_s, self.per_decode_s, self.factor
+        in_force = self.line_history[0]
+        for entry in self.line_history:
+            if entry[0] > t:
+                break
+            in_force = entry
+        return in_force[1], in_force[2], in_force[3]
+
     def document_meta(self, origin: float = 0.0) -> dict:
-        """What GET /debug/cost-model adds to the table's `meta`; the margin's history in seconds
-        since `origin` (the engine's clock at its start, which recorded traces count from)."""
+        """What GET /debug/cost-model adds to the table's `meta`; the margin's and the line's
+        histories in seconds since `origin` (the engine's clock at its start, which recorded traces
+        count from)."""
         history = [[round(max(0.0, t - origin), 3), round(m, 4)] for t, m in self.margin_history]
+        lines = [[round(max(0.0, t - origin), 3), round(fixed, 5), round(per_decode, 6), round(factor, 4)]
+                 for t, fixed, per_decode, factor in self.line_history]
         return {"servedOverPredicted": round(self.factor, 4), "servedFixedSeconds": round(self.fixed_s, 5),
                 "servedPerDecodeSeconds": round(self.per_decode_s, 6), "servedNoiseMargin": round(self.margin, 4),
-                "servedMarginHistory": history, "servedSteps": self.steps}
+                "servedMarginHistory": history, "servedLineHistory": lines, "servedSteps": self.steps}
 
 
 def margin_at(history: Sequence[tuple[float, float]], t: float) -> float:
@@ -779,23 +833,40 @@ def _served_seconds(meta: dict, key: str, most: float, spec: str) -> float:
     return float(value)
 
 
-def _margin_history(value: object, spec: str) -> tuple[tuple[float, float], ...]:
-    """`meta.servedMarginHistory`: [seconds, margin] pairs, seconds >= 0 and not decreasing, each
-    margin in [0, SERVED_MAX_MARGIN], at most SERVED_MARGIN_HISTORY of them."""
+def _dated_history(value: object, spec: str, key: str, bounds: Sequence[tuple[str, float, float]],
+                   most: int) -> tuple[tuple[float, ...], ...]:
+    """`meta.<key>`: at most `most` lists [seconds, value, ...], seconds >= 0 and not decreasing,
+    each value within its (name, low, high) in `bounds`."""
     def number(x: object) -> bool:
         return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
-    what = (f"{spec}: meta.servedMarginHistory: expected at most {SERVED_MARGIN_HISTORY} [seconds, margin] pairs, "
-            f"seconds >= 0 and not decreasing, margins in [0, {SERVED_MAX_MARGIN}]")
-    if not isinstance(value, list) or len(value) > SERVED_MARGIN_HISTORY:
+    names = ", ".join(name for name, _, _ in bounds)
+    ranges = ", ".join(f"{name} in [{lo}, {hi}]" for name, lo, hi in bounds)
+    what = (f"{spec}: meta.{key}: expected at most {most} [seconds, {names}] lists, seconds >= 0 and not "
+            f"decreasing, {ranges}")
+    if not isinstance(value, list) or len(value) > most:
         raise CostModelError(f"{what}, got {value!r:.200}")
-    pairs: list[tuple[float, float]] = []
+    entries: list[tuple[float, ...]] = []
     for entry in value:
-        ok = isinstance(entry, list) and len(entry) == 2 and all(number(x) for x in entry)
-        if not ok or not 0.0 <= entry[1] <= SERVED_MAX_MARGIN or entry[0] < (pairs[-1][0] if pairs else 0.0):
+        ok = isinstance(entry, list) and len(entry) == 1 + len(bounds) and all(number(x) for x in entry)
+        if not ok or entry[0] < (entries[-1][0] if entries else 0.0) or not all(
+                lo <= x <= hi for x, (_, lo, hi) in zip(entry[1:], bounds)):
             raise CostModelError(f"{what}, got {entry!r:.200}")
-        pairs.append((float(entry[0]), float(entry[1])))
-    return tuple(pairs)
+        entries.append(tuple(float(x) for x in entry))
+    return tuple(entries)
+
+
+def _margin_history(value: object, spec: str) -> tuple[tuple[float, float], ...]:
+    """`meta.servedMarginHistory`: [seconds, margin] pairs, margins in [0, SERVED_MAX_MARGIN]."""
+    return _dated_history(value, spec, "servedMarginHistory", [("margin", 0.0, SERVED_MAX_MARGIN)],
+                          SERVED_MARGIN_HISTORY)  # type: ignore[return-value]
+
+
+def _line_history(value: object, spec: str) -> tuple[tuple[float, float, float, float], ...]:
+    """`meta.servedLineHistory`: [seconds, fixed, per decode, scale] lists within the line's own bounds."""
+    return _dated_history(value, spec, "servedLineHistory",
+                          [("fixed", 0.0, SERVED_MAX_FIXED_S), ("per decode", 0.0, SERVED_MAX_PER_DECODE_S),
+                           ("scale", *SERVED_FACTOR_BOUNDS)], SERVED_LINE_HISTORY)  # type: ignore[return-value]
 
 
 def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: int = 16) -> CostModel:
@@ -817,8 +888,9 @@ def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: in
         per_decode = _served_seconds(meta, "servedPerDecodeSeconds", SERVED_MAX_PER_DECODE_S, spec)
         margin = _served_seconds(meta, "servedNoiseMargin", SERVED_MAX_MARGIN, spec)
         history = _margin_history(meta.get("servedMarginHistory", []), spec)
+        lines = _line_history(meta.get("servedLineHistory", []), spec)
         return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served), steps,
-                          fixed, per_decode, margin, history)
+                          fixed, per_decode, margin, history, lines)
     cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
     if cls is None:
         raise CostModelError(f"{spec}: kind: unknown cost model kind {kind!r} (linear, table)")

@@ -66,11 +66,17 @@ class CostModelRunner:
     def __init__(self, cost_model: CostModel):
         self.cost_model = cost_model
 
-    def execute(self, plan: StepPlan) -> RunnerOutput:
+    def execute(self, plan: StepPlan, now: float | None = None) -> RunnerOutput:
+        """`now`: when the step starts, on the clock of the document's histories: a served model
+        that carries its line's history prices the step on the line in force then (a replay of
+        the engine's recorded traffic, ServedCost.step_seconds_at); without it, on its own line."""
         sampled = {
             s.request_id: [SampledToken(1000 + (s.num_output_tokens % 1000))] for s in plan.seqs if s.sample
         }
-        return RunnerOutput(sampled=sampled, duration_s=self.cost_model.step_seconds(plan))
+        cost = self.cost_model
+        seconds = cost.step_seconds_at(plan, now) if isinstance(cost, ServedCost) and now is not None \
+            else cost.step_seconds(plan)
+        return RunnerOutput(sampled=sampled, duration_s=seconds)
 
 
 def resolve_sim_config(config: EngineConfig, cost_model: CostModel) -> EngineConfig:
@@ -112,9 +118,10 @@ def check_trace(records: list[TraceRecord], config: EngineConfig, source: str = 
 def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostModel, keep_events: bool = True,
              speculation: SpecModel | None = None) -> SimResult:
     """`speculation`: the acceptance and draft cost to simulate a config's draftModel with (sim/speculation.py)."""
-    # The engine starts from its table and learns what its steps take; here they take `cost_model`'s times,
-    # which do not scatter: the bound keeps the engine's margin for its steps' scatter (a document's), as
-    # it moved over the engine's clock where the document dates it (recorded traces share that clock).
+    # The engine starts from its table and learns what its steps take; here they take `cost_model`'s times
+    # (on the line in force at each step's start where the document dates the line's moves), which do
+    # not scatter: the bound keeps the engine's margin for its steps' scatter (a document's), as it moved
+    # over the engine's clock where the document dates it (recorded traces share that clock).
     served = cost_model if isinstance(cost_model, ServedCost) else None
     follower = LimitsFollower(config.scheduler, cost_model, served.margin if served else 0.0,
                               tuple(served.margin_history) if served else ())
@@ -168,7 +175,7 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
             if not heap and sched.has_work():
                 raise RuntimeError(f"scheduler stalled at t={now} with work left: {sched.stats()}")
             continue
-        output = runner.execute(plan)
+        output = runner.execute(plan, now) if isinstance(runner, CostModelRunner) else runner.execute(plan)
         in_flight = (plan, output, now)
         heap.push(now + output.duration_s, STEP_END, in_flight)
     if keep_events:
