@@ -256,8 +256,9 @@ SERVED_DERIVE_STEPS = 64
 # 16th judged step fitted 18.9 ms + 1.77 ms a decode + 1.048x, its end 16.8 ms + 0.975x. A replay
 # priced on the end's line ran its first seconds' steps cheaper than the engine's, its bound left
 # room the engine's did not, and it admitted interactive requests 1-2 s sooner: TTFT p50 0.57 of the
-# engine's; priced on the 16th step's line for its first 4 s, 0.89, the other figures within 4%
-# (bench/results/sim_fidelity.md, 2026-12-06). So the learner keeps when its line moved
+# engine's. Priced on the line in force at each step (below), two later runs' ITL p50 and E2E p50
+# came within 6% of the engine's (1.12-1.45x and 1.03-1.20x on the end's line) and TTFT p50 0.72 and
+# 1.24 (0.59 and 0.53) (bench/results/sim_fidelity.md, 2026-12-06). So the learner keeps when its line moved
 # (`line_history`: seconds on the caller's clock, fixed, per decode and scale, each time the line's
 # time for the window's mean step moved by SERVED_LINE_HISTORY_STEP or more, the last
 # SERVED_LINE_HISTORY moves), the document carries it (`meta.servedLineHistory`, on the engine's
