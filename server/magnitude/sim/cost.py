@@ -339,10 +339,8 @@ class ServedCost:
             return True
         n = len(self._window)
         p, d = self._sp / n, self._sd / n
-        _, fixed, per_decode, factor = self.line_history[-1]
-        before = fixed + per_decode * d + factor * p
-        now = self.fixed_s + self.per_decode_s * d + self.factor * p
-        return abs(now - before) >= SERVED_LINE_HISTORY_STEP * before
+        before = self._served(p, d, self.line_history[-1][1:])
+        return abs(self._served(p, d) - before) >= SERVED_LINE_HISTORY_STEP * before
 
     def _margin(self) -> float:
         """The window's SERVED_MARGIN_QUANTILE relative residual about the line, weighted by the
@@ -410,8 +408,11 @@ class ServedCost:
         scale = min(hi, max(lo, scale))
         return min(SERVED_MAX_FIXED_S, max(0.0, mean_r - scale * mean_p)), scale, per_decode
 
-    def _served(self, table_s: float, decodes: int) -> float:
-        return self.fixed_s + self.per_decode_s * decodes + self.factor * table_s if table_s > 0.0 else table_s
+    def _served(self, table_s: float, decodes: float, line: tuple[float, ...] | None = None) -> float:
+        """A step of `table_s` in the table carrying `decodes` decodes, on `line` (fixed, per
+        decode, scale; this model's own by default)."""
+        fixed, per_decode, factor = line if line is not None else (self.fixed_s, self.per_decode_s, self.factor)
+        return fixed + per_decode * decodes + factor * table_s if table_s > 0.0 else table_s
 
     def seconds_for(self, decodes: int, prefill_tokens: int, swapped_tokens: int = 0,
                     attention: AttentionLoad | None = None) -> float:
@@ -424,22 +425,14 @@ class ServedCost:
     def step_seconds_at(self, plan: StepPlan, t: float) -> float:
         """The step's time on the line in force at `t` (line_at); on this model's own line where
         it has no history."""
-        fixed, per_decode, factor = self.line_at(t)
-        table_s = self.model.step_seconds(plan)
-        return fixed + per_decode * plan_shape(plan, 0)[0] + factor * table_s if table_s > 0.0 else table_s
+        return self._served(self.model.step_seconds(plan), plan_shape(plan, 0)[0], self.line_at(t))
 
     def line_at(self, t: float) -> tuple[float, float, float]:
         """(fixed, per decode, scale) in force at `t`: the line history's latest entry at or before
         `t`, the first one before it (the line the first judged steps gave, the best word on the
         steps before them); this model's own line where it has no history."""
-        if not self.line_history:
-            return self.fixed_s, self.per_decode_s, self.factor
-        in_force = self.line_history[0]
-        for entry in self.line_history:
-            if entry[0] > t:
-                break
-            in_force = entry
-        return in_force[1], in_force[2], in_force[3]
+        entry = _in_force(self.line_history, t)
+        return (self.fixed_s, self.per_decode_s, self.factor) if entry is None else (entry[1], entry[2], entry[3])
 
     def document_meta(self, origin: float = 0.0) -> dict:
         """What GET /debug/cost-model adds to the table's `meta`; the margin's and the line's
@@ -458,13 +451,20 @@ def margin_at(history: Sequence[tuple[float, float]], t: float) -> float:
     before `t`, the first one before it (a learner's margin is 0 until it is first fitted, which
     ServedBound keeps apart; a history cut to its last entries started at the first it kept). An
     empty history is a margin of 0."""
+    entry = _in_force(history, t)
+    return 0.0 if entry is None else entry[1]
+
+
+def _in_force(history: Sequence[tuple[float, ...]], t: float) -> tuple[float, ...] | None:
+    """A dated history's entry in force at `t` (each entry's first field its time): the latest at
+    or before `t`, the first one before it; None for an empty history."""
     if not history:
-        return 0.0
-    in_force = history[0][1]
-    for at, margin in history:
-        if at > t:
+        return None
+    in_force = history[0]
+    for entry in history:
+        if entry[0] > t:
             break
-        in_force = margin
+        in_force = entry
     return in_force
 
 
