@@ -1,7 +1,8 @@
 """`runner/file_pages.py`: pages of the checkpoint's mapping that quantized weights no longer read
 are given back, a dropped page comes back from the file with its data, a page written since
 loading keeps its data, and anonymous memory is never asked for; inside `released_after_use` a
-linear's weight pages are unmapped after each call and it still computes the same product."""
+linear's weight pages are unmapped after each call and it still computes the same product; inside
+`loading_heap` a large allocation is a mapping of its own, and after it one lands in an arena again."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import ctypes
 import mmap
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -225,3 +227,48 @@ def test_a_serving_runner_gives_back_its_libraries_start_up_pages_and_generates_
     prompts = [[1, 5, 9, 13, 17, 21], [1, 7, 3]]
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     assert drive_scheduler(serving, prompts, greedy).outputs == drive_scheduler(plain, prompts, greedy).outputs
+
+
+
+# Run in a fresh process: one thread, one arena, no free space left by earlier tests that glibc
+# would reuse before mapping anything (it maps a block only when no free space fits it).
+_LOADING_HEAP_PROBE = """
+import ctypes, sys
+from pathlib import Path
+from magnitude.runner.file_pages import loading_heap, trim_heap
+
+libc = ctypes.CDLL(None)
+if getattr(libc, "mallopt", None) is None:
+    print("not glibc"); sys.exit(0)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def mapping_of(ptr):
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, _, hi = line.split()[0].partition("-")
+        if int(lo, 16) <= ptr < int(hi, 16):
+            return int(lo, 16), int(hi, 16)
+    return None
+
+def own_mapping(ptr):  # glibc's chunk header, the word before the block: IS_MMAPPED (0x2)
+    return bool(ctypes.c_size_t.from_address(ptr - ctypes.sizeof(ctypes.c_size_t)).value & 2)
+
+size = 28 << 20
+with loading_heap() as took:
+    during = libc.malloc(size)
+    print("during", took, own_mapping(during))
+    libc.free(during)
+    print("freed", mapping_of(during) is None)
+after = libc.malloc(size)
+print("after", own_mapping(after))
+"""
+
+
+def test_a_large_temporary_is_a_mapping_of_its_own_returned_whole_only_while_loading():
+    out = subprocess.run([sys.executable, "-c", _LOADING_HEAP_PROBE], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).stdout.split("\n")
+    if out[0] == "not glibc":
+        pytest.skip("not glibc: loading_heap does nothing")
+    # While loading: a mapping of its own, unmapped when freed. After: under the serving threshold
+    # (32 MiB), so in an arena, as glibc's dynamic threshold would have it after loading's temporaries.
+    assert out[:3] == ["during True True", "freed True", "after False"], out

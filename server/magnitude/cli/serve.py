@@ -245,6 +245,16 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
     source = _model_source(args)
 
     def load_real(progress: Any) -> Any:
+        from magnitude.runner.file_pages import loading_heap
+
+        # Calibration after it: the steps it times allocate as serving's do.
+        with loading_heap():
+            runner = build_runner(progress)
+        if args.cost_model is None:
+            calibrate(runner, progress)
+        return runner
+
+    def build_runner(progress: Any) -> Any:
         import torch
 
         if args.device == "cpu" or (args.device in (None, "", "auto") and not torch.cuda.is_available()):
@@ -298,8 +308,6 @@ def _runner_factory(args: argparse.Namespace, config: Any) -> Any:
                  runner.quantization, choice.chosen_by, choice.reason, runner.kv_cache_dtype, runner.kv_cache_dtype_reason)
         if args.served_model_name:
             runner.model_name = args.served_model_name
-        if args.cost_model is None:
-            calibrate(runner, progress)
         return runner
 
     return load_real
@@ -331,12 +339,16 @@ def calibrate(runner: Any, progress: Any) -> None:
     """The runner's step-cost table (phase `calibrating`), from the model cache or measured now; the
     engine derives its scheduler limits from it (async_engine.py) and serves it at GET /debug/cost-model."""
     from magnitude.runner.calibration import calibrated_cost_model
+    from magnitude.runner.file_pages import trim_heap
     from magnitude.runner.loading import cache_root
 
     progress("calibrating", 0.0)
     runner.cost_model_document = calibrated_cost_model(
         runner, cache_root() / "cost-models", lambda fraction: progress("calibrating", fraction))
     runner.release_kv_pages()  # the grid's K/V: the engine starts with an empty pool
+    # The grid's largest prefills need more working memory than a served step with derived limits;
+    # freed into the arenas, it would stay resident.
+    trim_heap()
 
 
 def _model_source(args: argparse.Namespace) -> str:
