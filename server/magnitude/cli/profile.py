@@ -79,6 +79,7 @@ def largest_prefill_chunk(doc: dict, decode_batch: int, target_s: float) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from magnitude.runner import ModelRunner
+    from magnitude.runner.file_pages import loading_heap
     from magnitude.runner.loading import ModelSourceError
     from magnitude.runner.quantize import QuantizationError
 
@@ -89,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out}: directory {out.parent} does not exist")
     decodes, prefills = args.decode_batch_sizes, args.prefill_tokens
     try:
-        runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
-                             num_blocks=blocks_needed(decodes, prefills, args.context, 16),
-                             num_swap_blocks=32, num_threads=args.threads, quantization=args.quantization,
-                             kv_cache_dtype=args.kv_cache_dtype,
-                             evaluate_quantization=False)  # timing only: `magnitude serve` judges quality
+        # Loaded as `magnitude serve` loads, so the grid's steps allocate as its calibration's do.
+        with loading_heap():
+            runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
+                                 num_blocks=blocks_needed(decodes, prefills, args.context, 16),
+                                 num_swap_blocks=32, num_threads=args.threads, quantization=args.quantization,
+                                 kv_cache_dtype=args.kv_cache_dtype,
+                                 evaluate_quantization=False)  # timing only: `magnitude serve` judges quality
     except (ModelSourceError, QuantizationError) as e:
         raise UsageError(str(e)) from e
     doc = profile_runner(runner, decodes, prefills, args.context, args.repeats)

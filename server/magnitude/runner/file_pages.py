@@ -142,9 +142,10 @@ def _mallopt(param: int, value: int) -> bool:
 
 @contextlib.contextmanager
 def loading_heap() -> Iterator[bool]:
-    """Within it, allocations above 128 KiB are mappings of their own, returned whole when freed;
-    on leaving, the thresholds serving keeps (see the module's docstring). Yields whether glibc
-    took the setting (False elsewhere than glibc, where it does nothing)."""
+    """Within it, an allocation above 128 KiB that no free arena space fits (glibc reuses that
+    first) is a mapping of its own, returned whole when freed; on leaving, the thresholds serving
+    keeps (see the module's docstring). Yields whether glibc took the setting (False elsewhere than
+    glibc, where it does nothing)."""
     took = _mallopt(_M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD)
     try:
         yield took
