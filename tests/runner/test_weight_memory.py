@@ -229,13 +229,12 @@ def test_a_serving_runner_gives_back_its_libraries_start_up_pages_and_generates_
     assert drive_scheduler(serving, prompts, greedy).outputs == drive_scheduler(plain, prompts, greedy).outputs
 
 
-
 # Run in a fresh process: one thread, one arena, no free space left by earlier tests that glibc
 # would reuse before mapping anything (it maps a block only when no free space fits it).
 _LOADING_HEAP_PROBE = """
 import ctypes, sys
 from pathlib import Path
-from magnitude.runner.file_pages import loading_heap, trim_heap
+from magnitude.runner.file_pages import loading_heap
 
 libc = ctypes.CDLL(None)
 if getattr(libc, "mallopt", None) is None:
