@@ -5,7 +5,9 @@
 The peer is the straightforward per-request loop (what the runner did before): temperature, top-k
 via `topk`, top-p via a full sort of the vocabulary, then `torch.multinomial`, one row at a time.
 Logits are random with the model's vocabulary size (49,152); prints milliseconds per step for
-typical parameter mixes and the ratio.
+typical parameter mixes and the ratio. Then greedy rows (1, 8 and 24 by default, `--greedy-rows`):
+the sampler's `choose` against torch's own reductions over the same rows (the NaN/inf check
+`isfinite(amax)` and `argmax`, what `choose` ran before it read float32 CPU rows through numpy).
 """
 
 from __future__ import annotations
@@ -48,11 +50,18 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
+def torch_greedy(logits: torch.Tensor) -> list[int]:
+    if not bool(torch.isfinite(logits.amax(-1)).all()):
+        raise ValueError("unsampleable row")
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--greedy-rows", default="1,8,24")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     logits = torch.randn(args.rows, VOCAB, generator=torch.Generator().manual_seed(0)) * 4
@@ -71,6 +80,15 @@ def main() -> int:
         peer = timed(lambda: row_by_row(logits, params, gen), args.repeats)
         ours = timed(lambda: sampler.choose(logits, params, steps), args.repeats)
         print(f"{name:38} {peer * 1e3:9.1f} ms {ours * 1e3:7.1f} ms {peer / ours:6.1f}x")
+    print(f"{'greedy rows':38} {'torch':>12} {'choose':>10} {'ratio':>7}")
+    for rows in (int(r) for r in args.greedy_rows.split(",")):
+        block = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(rows)) * 4
+        params, steps = [SamplingParams(temperature=0.0)] * rows, [0] * rows
+        sampler = Sampler(torch.device("cpu"), seed=0)
+        assert sampler.choose(block, params, steps) == torch_greedy(block)
+        peer = timed(lambda: torch_greedy(block), args.repeats * 20)
+        ours = timed(lambda: sampler.choose(block, params, steps), args.repeats * 20)
+        print(f"{rows:<38} {peer * 1e6:9.0f} us {ours * 1e6:7.0f} us {peer / ours:6.1f}x")
     return 0
 
 

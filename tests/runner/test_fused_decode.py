@@ -397,6 +397,33 @@ def test_the_portable_build_runs_a_step_of_more_than_eight_rows(kv_cache_dtype, 
     _close_caches(fused_cache, lean_cache, tolerance)
 
 
+def test_a_step_over_another_pool_reads_and_writes_that_pool(tmp_path):
+    """The fused forward points its layer table at a pool once and keeps it while steps come over
+    the same tensors; a step over other tensors points it again. Here the first pool is zeroed
+    after its step: a table still pointing at it would attend to zeros (and write there)."""
+    _native_or_skip()
+    runner = _runner(_tiny("llama", tmp_path / "l", 64), quantization="w4a16", kv_cache_dtype="float16")
+    fused = paged_decoder(runner.model.model)
+    gen = torch.Generator().manual_seed(3)
+    _prefill(runner, DECODES, gen)
+    before = _pool(runner)
+    ids, pos, batch = _step(runner, DECODES, True, gen)
+    with torch.inference_mode():
+        first = fused(ids, pos, batch).clone()
+        assert batch._groups is None  # a fused step builds no SDPA groups
+        written = _pool(runner)
+        other = [(k.clone(), v.clone()) for k, v in before]
+        for k, v in zip(runner.kv.k_layers, runner.kv.v_layers):
+            k.zero_()
+            v.zero_()
+        moved = dataclasses.replace(batch, k_layers=[k for k, _ in other], v_layers=[v for _, v in other])
+        again = fused(ids, pos, moved)
+    assert torch.equal(again, first)
+    for (k, v), (wk, wv) in zip(other, written):  # the step's K/V went into the pool it was given
+        assert torch.equal(k, wk) and torch.equal(v, wv)
+    assert all(not k.any() and not v.any() for k, v in zip(runner.kv.k_layers, runner.kv.v_layers))
+
+
 def test_a_block_id_outside_the_pool_is_refused_before_the_native_call(tmp_path):
     _native_or_skip()
     runner = _runner(build_tiny_model("llama", tmp_path / "l"), quantization="w4a16")

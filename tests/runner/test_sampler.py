@@ -9,7 +9,7 @@ from magnitude.engine.sampling import SamplingParams
 
 torch = pytest.importorskip("torch")
 
-from magnitude.runner.sampling import Sampler, adjust_logits, filter_logits  # noqa: E402
+from magnitude.runner.sampling import Sampler, adjust_logits, check_logits, filter_logits, row_argmax  # noqa: E402
 
 VOCAB = 50
 
@@ -140,6 +140,35 @@ def test_temperatures_too_small_to_sample_with_are_greedy(temperature):
     assert params.greedy
     logits = _logits(3, seed=3)
     assert Sampler(torch.device("cpu"), seed=0).choose(logits, [params] * 3, [0] * 3) == torch.argmax(logits, -1).tolist()
+
+
+def test_the_row_argmax_is_torchs_for_every_layout_and_dtype():
+    """row_argmax reads float32 CPU rows through numpy and anything else through torch: the same
+    index either way, the first of tied maxima, for strided views (a padded vocabulary's slice,
+    a step's selected rows) as for whole tensors."""
+    logits = _logits(6, seed=7)
+    logits[2, 3] = logits[2, 40] = logits[2].max() + 1.0  # a tie: the first one wins
+    logits[4] = 0.0  # all tied: index 0
+    wide = torch.cat([logits, torch.full((6, 9), 1e9)], dim=1)
+    for rows in (logits, wide[:, :VOCAB], logits[[5, 2, 0]], logits.t().contiguous().t()):
+        assert row_argmax(rows) == torch.argmax(rows, dim=-1).tolist()
+    assert row_argmax(logits)[2] == 3 and row_argmax(logits)[4] == 0
+    half = logits.to(torch.bfloat16)  # not float32: torch's own argmax
+    assert row_argmax(half) == torch.argmax(half, dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_that_cannot_be_sampled_are_named_on_either_path(dtype):
+    logits = _logits(5, seed=3)
+    logits[1, 4] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 0] = float("inf")
+    logits[0, :10] = float("-inf")  # a masked token beside finite ones: fine
+    with pytest.raises(ValueError, match=r"rows \[1, 3, 4\]"):
+        check_logits(logits.to(dtype))
+    check_logits(logits[[0, 2]].to(dtype))  # the good rows pass
+    check_logits(logits[:0].to(dtype))  # no rows: nothing to refuse
+    assert row_argmax(logits[:0].to(dtype)) == []
 
 
 def test_broken_logits_are_refused_for_greedy_rows_too():

@@ -69,16 +69,35 @@ class AttnGroup:
 @dataclass(slots=True)
 class PagedBatch:
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
-    groups: list[AttnGroup]
+    seqs: list[SeqSlice]
     k_layers: list[torch.Tensor]  # per layer [slots, kv_heads, head_dim]
     v_layers: list[torch.Tensor]
     block_size: int
     num_tokens: int
-    identity_output: bool  # one group covering every row in order: no scatter needed
+    device: torch.device
     # Per row of the flattened step: its position and its sequence's block table (zero-padded to the
     # step's widest), for code that attends row by row (runner/fused_decode.py).
     row_positions: np.ndarray  # [T] int64
     row_tables: np.ndarray  # [T, W] int64
+    decode_rows: int  # rows that are a sequence's one new token (the rest are prompt chunks' rows)
+    _groups: list[AttnGroup] | None = None
+
+    @property
+    def groups(self) -> list[AttnGroup]:
+        """The SDPA groups (decodes apart from chunks, bucketed by context), built on first use: a
+        step the fused forward takes never reads them (a batch-1 step spent ~70 µs building them)."""
+        if self._groups is None:
+            decodes = [s for s in self.seqs if s.n == 1]
+            chunks = [s for s in self.seqs if s.n > 1]
+            self._groups = [_group(b, self.block_size, self.device, self.num_tokens)
+                            for g in (decodes, chunks) if g for b in _buckets(g)]
+        return self._groups
+
+    @property
+    def identity_output(self) -> bool:
+        """One group covering every row in order: no scatter needed."""
+        groups = self.groups
+        return len(groups) == 1 and groups[0].src_rows is None
 
 
 def _slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -195,7 +214,8 @@ def build_paged_batch(
     v_layers: list[torch.Tensor],
     device: torch.device,
 ) -> PagedBatch:
-    """Index tensors for one step. Cost is per sequence (numpy over padded arrays), not per token."""
+    """Index tensors for one step (the SDPA groups when first asked for). Cost is per sequence (numpy
+    over padded arrays), not per token."""
     total = sum(s.n for s in seqs)
     new_pos = np.concatenate([np.arange(s.start, s.start + s.n, dtype=np.int64) for s in seqs])
     seq_of_token = np.repeat(np.arange(len(seqs)), [s.n for s in seqs])
@@ -203,19 +223,17 @@ def build_paged_batch(
     tables = _padded_tables(seqs, width)[seq_of_token]
     slot_mapping = _slots(tables, new_pos[:, None], block_size)[:, 0]
 
-    decodes = [s for s in seqs if s.n == 1]
-    chunks = [s for s in seqs if s.n > 1]
-    groups = [_group(b, block_size, device, total) for g in (decodes, chunks) if g for b in _buckets(g)]
     return PagedBatch(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        groups=groups,
+        seqs=seqs,
         k_layers=k_layers,
         v_layers=v_layers,
         block_size=block_size,
         num_tokens=total,
-        identity_output=len(groups) == 1 and groups[0].src_rows is None,
+        device=device,
         row_positions=new_pos,
         row_tables=tables,
+        decode_rows=sum(1 for s in seqs if s.n == 1),
     )
 
 

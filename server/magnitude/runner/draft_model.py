@@ -43,7 +43,7 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.runner.attention import SeqSlice, build_paged_batch
 from magnitude.runner.kv_pool import KVShape, PagedKVPool
 from magnitude.runner.paged_decoder import paged_decoder
-from magnitude.runner.sampling import draw, filter_logits, seeded_uniforms
+from magnitude.runner.sampling import draw, filter_logits, row_argmax, seeded_uniforms
 
 log = logging.getLogger("magnitude.runner.draft")
 
@@ -300,7 +300,7 @@ class DraftModelProposer:
 
     def _choose(self, logits: torch.Tensor, seqs: list[ScheduledSeq], j: int) -> list[int]:
         """Draft j (0-based) of each row: the argmax for greedy requests, a draw from q otherwise."""
-        tokens = torch.argmax(logits, dim=-1).tolist()
+        tokens = row_argmax(logits)
         rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
         if rows:
             params: list[SamplingParams] = [seqs[i].sampling for i in rows]

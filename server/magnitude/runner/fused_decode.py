@@ -283,15 +283,13 @@ FUSED_BOUNDS_PORTABLE = dict(max_chunk_rows=0)
 def runs_fused(batch: PagedBatch, max_chunk_rows: int = FUSED_MAX_CHUNK_ROWS,
                max_chunk_keys: int = FUSED_MAX_CHUNK_KEYS) -> bool:
     """Whether the fused forward takes this step (see FUSED_MAX_CHUNK_ROWS); decode rows always qualify."""
-    rows = batch.num_tokens
-    decode_rows = [g.q_index[:, 0] for g in batch.groups if g.q_index.shape[1] == 1]
-    chunk_rows = rows - sum(len(r) for r in decode_rows)
+    chunk_rows = batch.num_tokens - batch.decode_rows
     if not chunk_rows:
         return True
     if chunk_rows > max_chunk_rows:
         return False
-    keys = int(batch.row_positions.sum()) + rows  # every row attends to its position + 1 keys
-    keys -= sum(int(batch.row_positions[r.numpy()].sum()) + len(r) for r in decode_rows)
+    # A chunk's row at position p attends to p + 1 keys: n rows from `start` read n * start + n(n+1)/2.
+    keys = sum(s.n * s.start + s.n * (s.n + 1) // 2 for s in batch.seqs if s.n > 1)
     return keys <= max_chunk_keys
 
 
@@ -386,14 +384,32 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
     elif choose is runs_fused and (bf16prefill or dense):
         choose = functools.partial(runs_fused, **FUSED_BOUNDS_DENSE_BF16) if dense else runs_fused_bf16prefill
     rope = _RopeTable(inner.rotary_emb)
+    # The pool the layer table points at, as (its tensors' addresses, dtype, shape): a step over the
+    # same pool (every step of a runner) neither checks nor points the table again.
+    pointed: list[tuple] = [()]
+
+    def point_at(pool: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+        """Point the layer table at the pool's K/V tensors; False for a pool the C code cannot read."""
+        caches = (*pool[: len(layers)], *values[: len(layers)])
+        if len(pool) < len(layers) or len(values) < len(layers):
+            return False
+        key = (tuple(t.data_ptr() for t in caches), pool[0].dtype, tuple(pool[0].shape))
+        if key == pointed[0]:
+            return True
+        if pool[0].dtype not in FUSED_POOL_DTYPES \
+                or any(t.dtype != pool[0].dtype or t.shape != pool[0].shape or not t.is_contiguous() for t in caches):
+            return False
+        for i in range(len(layers)):
+            table[i].k_cache = pool[i].data_ptr()
+            table[i].v_cache = values[i].data_ptr()
+        pointed[0] = key
+        return True
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, batch: PagedBatch) -> torch.Tensor | None:
         if not choose(batch):
             return None
         pool = batch.k_layers
-        caches = (*pool[: len(layers)], *batch.v_layers[: len(layers)])
-        if len(pool) < len(layers) or pool[0].dtype not in FUSED_POOL_DTYPES \
-                or any(t.dtype != pool[0].dtype or not t.is_contiguous() for t in caches):
+        if not point_at(pool, batch.v_layers):
             return None
         tables = np.ascontiguousarray(batch.row_tables, dtype=np.int64)
         positions = np.ascontiguousarray(batch.row_positions, dtype=np.int64)
@@ -406,9 +422,6 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         cos, sin = rope.rows(h, position_ids)  # [T, head_dim]
         if cos.shape[-1] != head_dim:  # partial rotary: not something these families do
             return None
-        for i in range(len(layers)):
-            table[i].k_cache = pool[i].data_ptr()
-            table[i].v_cache = batch.v_layers[i].data_ptr()
         marked = lowbit.current_bf16_rows(h.shape[0]) if bf16prefill else None
         d = _Dims(block_size=batch.block_size, table_width=tables.shape[1], kv_f16=int(pool[0].dtype == torch.float16),
                   bf16_rows=None if marked is None else marked.ctypes.data, **dims)

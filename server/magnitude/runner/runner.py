@@ -400,7 +400,8 @@ class ModelRunner:
             params = [w.seq.sampling for w in plain]
             steps = [w.seq.num_output_tokens for w in plain]
             histories = [(w.seq.prompt_token_ids, w.seq.output_token_ids) for w in plain]
-            first = self._sample_rows(logits[rows], params, steps, histories, plain, out)
+            block = logits if len(rows) == logits.shape[0] else logits[rows]  # no drafts: every row, in order
+            first = self._sample_rows(block, params, steps, histories, plain, out)
             for w, token in zip(plain, first):
                 if token is None:
                     continue  # failed alone, in out.failed
