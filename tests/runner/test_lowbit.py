@@ -212,7 +212,7 @@ def test_int4q8_carries_a_non_finite_activation_into_its_rows_outputs(kernel):
 
 
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
-    """A row's bits are the same alone, in any batch (passes of 8, 4, 2, 1 rows), and with one or
+    """A row's bits are the same alone, in any batch (passes of 4, 2, 1 rows and tiles), and with one or
     two threads: the runner and an unbatched reference then agree exactly, and a request's output
     does not depend on what it was batched with."""
     codes, packed, scales, mins = int4_weights(200, 576, seed=3)
@@ -242,10 +242,10 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
 
 
 
-@pytest.mark.parametrize("m", [3, 6, 16, 23, 70])
+@pytest.mark.parametrize("m", [3, 6, 8, 16, 23, 70])
 def test_many_rows_take_the_blocked_products_with_the_lone_rows_bits(kernel, m):
     """Where the passes of 8, 4, 2 and 1 rows would take more than one pass (3, 5-7, 9 or more rows:
-    a prompt chunk, a head over many decodes) the int4, int8 and grouped int8 products convert each
+    a prompt chunk, a head over many decodes), and on AVX2 at 8 rows, the int4, int8 and grouped int8 products convert each
     weight once for up to 64 rows and multiply register tiles (lowbit_kernels.c, DEFINE_BLOCKED);
     every row's bits must still be its bits alone, with one thread or two. The shapes leave tails everywhere: 70 rows are 64 and 6, 203 channels fill no
     tile evenly, and 1,056 inputs are two 512-input blocks and a 32-input one."""

@@ -315,7 +315,8 @@ DEFINE_PASS(int8g_pass, 2, 1, DECODE_INT8G, )
 DEFINE_PASS(int8g_pass, 4, 1, DECODE_INT8G, )
 DEFINE_PASS(int8g_pass, 8, 1, DECODE_INT8G, )
 
-/* Up to 8 rows as passes of 8, 4, 2 and 1 (each pass re-reads the weights, from cache). NB1, NB2,
+/* Up to 8 rows as passes of 8, 4, 2 and 1 (each pass re-reads the weights, from cache; on AVX2
+   BLOCKED_ROWS, below, gives 8 rows to the tiles instead). NB1, NB2,
    NB4 and NB8: channels at a time for one, two, four and eight rows, measured per layout
    (bench/lowbit_bench.py): int4 gains from four channels in flight at one row, the int8 LM head
    loses (its rows stream from memory). With 8 rows and 2 channels each activation vector loaded
@@ -381,12 +382,34 @@ DEFINE_ROWS(int8g, 1, 1, 1, 1)
 #define TILE_ROWS 64
 #endif
 /* Blocked where the passes would take more than one pass over the weights (3, 5, 6, 7 or more than
-   8 rows); 1, 2, 4 and 8 rows are one pass, which reads each weight once as well and measured as
-   fast or faster in whole decode steps (bench/kernel_ab.py --decode-batches). */
+   8 rows) and, on AVX2, at 8 rows too. 1, 2 and 4 rows are one pass, which reads each weight once
+   as well and measured as fast (AVX2, 4 rows: the tiles 1.02-1.05x the pass's time, the int8 head
+   1.16x). AVX2's 8-row pass loads every activation vector for each multiply-add (32 loads and 32
+   FMAs a group), where the tiles load R + C vectors for R x C: there the four int4 shapes took
+   0.78x the pass's time and the head 0.86x, same bits (2026-12-06, AVX2 EPYC, a C harness timing
+   both paths over the same operands, 1 and 2 threads). AVX-512's 8-row pass (two channels in
+   flight, 32 registers) was measured as fast or faster in whole decode steps
+   (bench/kernel_ab.py --decode-batches) and keeps it. */
 #ifndef BLOCKED_ROWS
+#ifdef __AVX512F__
 #define BLOCKED_ROWS(m) ((m) > ROWS_PER_PASS || ((m) > 2 && ((m) & ((m) - 1))))
+#else
+#define BLOCKED_ROWS(m) ((m) > 4 || (m) == 3)
+#endif
 #endif
 
+/* With AVX2's 16 registers (a 2 x 6 tile's 12 accumulators, 2 rows, 1 weight vector) compilers
+   fold the weight vector's load into each of the R multiply-adds as a memory operand: 14 loads for
+   12 FMAs, and the load ports, not the FMAs, set the pace. An empty asm that takes and gives the
+   vector back keeps it in a register: R + C loads. The multiply-adds and their order are the
+   same, so are the bits. (AVX-512's 32 registers: compilers keep it there already.) 64 rows of the
+   four int4 shapes at 16-64 rows 0.78-0.89x the time without it (bench/int4_product_ab.py, 2026-12-06,
+   AVX2 EPYC). */
+#ifdef __AVX512F__
+#define IN_REGISTER(v) ((void)0)
+#else
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#endif
 #define DEFINE_TILE(R, C)                                                                          \
 static void tile_##R##_##C(const float *x, int64_t k, const float *w, int64_t kc, vecf *acc) { \
     vecf a[R][C];                                                                                  \
@@ -396,7 +419,8 @@ static void tile_##R##_##C(const float *x, int64_t k, const float *w, int64_t kc
         vecf xr[R];                                                                                \
         for (int r = 0; r < R; r++) xr[r] = VLOAD(x + r * k + v);                                  \
         for (int c = 0; c < C; c++) {                                                              \
-            const vecf wc = VLOAD(w + c * TILE_KC + v);                                            \
+            vecf wc = VLOAD(w + c * TILE_KC + v);                                                  \
+            IN_REGISTER(wc);                                                                       \
             for (int r = 0; r < R; r++) a[r][c] = VFMA(wc, xr[r], a[r][c]);                        \
         }                                                                                          \
     }                                                                                              \
