@@ -1,0 +1,104 @@
+"""Single-stream ms/token of two or more servers, paired: every server up at once, lone requests
+taken in turns, so a shared host's slow minutes fall on all of them alike.
+
+    .venv/bin/python bench/paired_single.py [--systems llama,magnitude-default] [--rounds 8]
+        [--threads 2] [--llama-server PATH] [--out-dir out/bench-paired-single]
+
+runner_bench.py starts one server at a time and measures its traces before the next starts; on a
+two-core host whose speed moves by a quarter within minutes, its single-stream ratio moved from
+1.23x to 1.68x between runs (bench/results/runner_llama.md, S56). Here each round sends one lone
+request (runner_bench's single trace: a 32-token prompt, 129 greedy tokens) to each server in turn,
+the order reversed every other round, while the others sit idle; prints each request's mean gap
+between output tokens as the client saw it, each server's median, and the median over rounds of
+each server's time over the first system's in the same round. Each round's prompt is new (its
+request id carries the round), so no server answers from a prompt cache it filled earlier.
+Servers are started as runner_bench.py starts them (same flags, threads and environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "server"), str(ROOT / "bench")]
+
+import loadgen  # noqa: E402
+import runner_bench as rb  # noqa: E402
+
+from magnitude.sim.trace import write_trace  # noqa: E402
+
+
+def start(system: str, args: argparse.Namespace, gguf: Path, out_dir: Path) -> tuple[subprocess.Popen, str]:
+    port = rb.free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GOMP_SPINCOUNT="1000",
+               PYTHONPATH=f"{ROOT / 'server'}:{ROOT / 'operator'}", **rb.VARIANT_ENV.get(system, {}))
+    log = (out_dir / f"{system}.log").open("w")
+    proc = subprocess.Popen(rb.server_command(system, port, args, gguf), env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def lone_request(url: str, round_: int, system: str, out_dir: Path) -> float:
+    """One request alone on `url`: its mean gap between output tokens, in ms."""
+    rec = rb.single_trace()[0].model_copy(update={"id": f"single-{round_}"})
+    trace = out_dir / f"trace-{system}-{round_}.jsonl"
+    write_trace([rec], str(trace))
+    report = out_dir / f"{system}-{round_}.json"
+    loadgen.main([str(trace), "--url", url, "--out", str(report), "--timeout", "600"])
+    return json.loads(report.read_text())["summary"]["itl"]["mean"] * 1000.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="llama,magnitude-default")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
+    p.add_argument("--llama-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--out-dir", default=str(ROOT / "out" / "bench-paired-single"))
+    args = p.parse_args(argv)
+    args.budget = {}  # server_command's per-variant budget overrides: none here
+    systems = args.systems.split(",")
+    if len(systems) < 2:
+        p.error("--systems: name at least two, the first is the one the others are compared with")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gguf = rb.bundled_gguf()
+    servers = {}
+    try:
+        for system in systems:
+            servers[system] = start(system, args, gguf, out_dir)
+        for system, (proc, url) in servers.items():
+            rb.wait_ready(url, proc)
+        for system, (_, url) in servers.items():  # one unmeasured request each: first-request effects
+            lone_request(url, -1, system, out_dir)
+        times: dict[str, list[float]] = {s: [] for s in systems}
+        for round_ in range(args.rounds):
+            order = systems if round_ % 2 == 0 else systems[::-1]
+            for system in order:
+                times[system].append(lone_request(servers[system][1], round_, system, out_dir))
+            print(f"round {round_}: " + "  ".join(f"{s} {times[s][-1]:.2f} ms" for s in systems), flush=True)
+    finally:
+        for proc, _ in servers.values():
+            rb.stop_server(proc)
+    first = systems[0]
+    summary = {}
+    for system in systems:
+        ratios = [t / f for t, f in zip(times[system], times[first])]
+        summary[system] = {"ms_per_token": times[system], "median_ms": statistics.median(times[system]),
+                           f"median_ratio_to_{first}": statistics.median(ratios),
+                           "ratio_range": [min(ratios), max(ratios)]}
+        print(f"{system:24s} median {summary[system]['median_ms']:6.2f} ms/token  paired ratio to {first}: "
+              f"median {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})")
+    (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
