@@ -383,13 +383,14 @@ DEFINE_ROWS(int8g, 1, 1, 1, 1)
 #endif
 /* Blocked where the passes would take more than one pass over the weights (3, 5, 6, 7 or more than
    8 rows) and, on AVX2, at 8 rows too. 1, 2 and 4 rows are one pass, which reads each weight once
-   as well and measured as fast (AVX2, 4 rows: the tiles 1.02-1.05x the pass's time, the int8 head
-   1.16x). AVX2's 8-row pass loads every activation vector for each multiply-add (32 loads and 32
-   FMAs a group), where the tiles load R + C vectors for R x C: there the four int4 shapes took
-   0.78x the pass's time and the head 0.86x, same bits (2026-12-06, AVX2 EPYC, a C harness timing
-   both paths over the same operands, 1 and 2 threads). AVX-512's 8-row pass (two channels in
-   flight, 32 registers) was measured as fast or faster in whole decode steps
-   (bench/kernel_ab.py --decode-batches) and keeps it. */
+   as well (AVX2, 4 rows: the tiles 1.02-1.05x the pass's time, the int8 head 1.16x; 2 rows: the
+   four int4 shapes 0.95x in the harness, but whole 2-decode steps 1.04-1.08x, the head included).
+   AVX2's 8-row pass loads every activation vector for each multiply-add (32 loads and 32 FMAs a
+   group), where the tiles load R + C vectors for R x C: there the four int4 shapes took 0.78x the
+   pass's time and the head 0.86x, same bits (2026-12-06, AVX2 EPYC, a C harness timing both paths
+   over the same operands, 1 and 2 threads). AVX-512's 8-row pass (two channels in flight, 32
+   registers) was measured as fast or faster in whole decode steps (bench/kernel_ab.py
+   --decode-batches) and keeps it. */
 #ifndef BLOCKED_ROWS
 #ifdef __AVX512F__
 #define BLOCKED_ROWS(m) ((m) > ROWS_PER_PASS || ((m) > 2 && ((m) & ((m) - 1))))
