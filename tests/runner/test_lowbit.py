@@ -212,7 +212,7 @@ def test_int4q8_carries_a_non_finite_activation_into_its_rows_outputs(kernel):
 
 
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
-    """A row's bits are the same alone, in any batch (passes of 4, 2, 1 rows and tiles), and with one or
+    """A row's bits are the same alone, in any batch (passes of 8, 4, 2, 1 rows or tiles), and with one or
     two threads: the runner and an unbatched reference then agree exactly, and a request's output
     does not depend on what it was batched with."""
     codes, packed, scales, mins = int4_weights(200, 576, seed=3)

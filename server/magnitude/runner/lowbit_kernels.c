@@ -403,8 +403,8 @@ DEFINE_ROWS(int8g, 1, 1, 1, 1)
    fold the weight vector's load into each of the R multiply-adds as a memory operand: 14 loads for
    12 FMAs, and the load ports, not the FMAs, set the pace. An empty asm that takes and gives the
    vector back keeps it in a register: R + C loads. The multiply-adds and their order are the
-   same, so are the bits. (AVX-512's 32 registers: compilers keep it there already.) 64 rows of the
-   four int4 shapes at 16-64 rows 0.78-0.89x the time without it (bench/int4_product_ab.py, 2026-12-06,
+   same, so are the bits. (AVX-512's 32 registers: compilers keep it there already.) The four int4
+   shapes at 16-64 rows took 0.78-0.89x the time without it (bench/int4_product_ab.py, 2026-12-06,
    AVX2 EPYC). */
 #ifdef __AVX512F__
 #define IN_REGISTER(v) ((void)0)
