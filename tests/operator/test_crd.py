@@ -144,7 +144,7 @@ def test_invalid_specs_are_refused_by_crd_and_by_pydantic(crd_validate: Any, nam
             ModelServiceSpec.model_validate(spec)
 
 
-@pytest.mark.parametrize("quantization", ["none", "w8a8", "w8a16", "w4a16", "w4a8", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "w8a8", "w8a16", "w4a16", "w4a8", "w4a16-int16", "int8"])
 def test_every_quantization_method_validates_int8_included(crd_validate: Any, quantization: str) -> None:
     """int8 (the earlier name of w8a8) stays valid, so ModelServices written before the split still load."""
     spec = {**MINIMAL, "quantization": quantization, "dtype": "float32"}

@@ -142,7 +142,7 @@ def args(**over: Any) -> list[str]:
 
 def test_quantization_and_dtype_reach_the_engine_as_separate_flags() -> None:
     assert "--quantization" not in args() and "--dtype" not in args()  # none + auto: the engine's defaults
-    for method in ("w8a8", "w8a16", "w4a16", "w4a8", "int8"):  # int8 passes as named: the engine knows it as w8a8's alias
+    for method in ("w8a8", "w8a16", "w4a16", "w4a8", "w4a16-int16", "int8"):  # int8 passes as named: the engine knows it as w8a8's alias
         got = args(quantization=method)
         assert got[got.index("--quantization") + 1] == method and "--dtype" not in got
     got = args(quantization="w8a16", dtype="float32")

@@ -15,13 +15,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from magnitude.runner import lowbit  # noqa: E402
-from magnitude.runner.paged_decoder import paged_decoder  # noqa: E402
 from magnitude.runner.quant_eval import isa_description, kernel_description  # noqa: E402
 from magnitude.runner.quantize import Int4WeightOnlyLinear, QuantizationError  # noqa: E402
 
-from .test_fused_decode import TINY_TOLERANCE, _lean, _pool, _prefill, _rel, _restore  # noqa: E402
+from .test_fused_decode import TINY_TOLERANCE, _marked_mixed_step, _rel  # noqa: E402
 from .test_lowbit import AVX2_FLAGS, _build_with, dequantized_int4, int4_weights  # noqa: E402
-from .test_paged_decoder import SEQS, _runner, _step  # noqa: E402
+from .test_paged_decoder import _runner  # noqa: E402
 from .tiny_models import build_tiny_model  # noqa: E402
 
 
@@ -137,7 +136,7 @@ def test_only_the_method_that_runs_the_bf16_products_is_keyed_by_the_amx_switch(
 
 
 def test_the_linear_multiplies_the_marked_rows_of_the_step_in_bf16(bf16_kernel):
-    """Int4WeightOnlyLinear("bf16prefill") takes the rows `lowbit.bf16_rows` marks for a product of
+    """Int4WeightOnlyLinear("bf16prefill") takes the rows `lowbit.prompt_rows` marks for a product of
     that many rows; outside such a block, or for a product of another row count, it is w4a16."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(576, 96, bias=True)
@@ -146,7 +145,7 @@ def test_the_linear_multiplies_the_marked_rows_of_the_step_in_bf16(bf16_kernel):
     x = torch.randn(5, 576)
     assert torch.equal(bf(x), a16(x))
     marks = np.array([0, 1, 1, 0, 1], dtype=np.uint8)
-    with lowbit.bf16_rows(marks):
+    with lowbit.prompt_rows(marks):
         got = bf(x)
         assert torch.equal(bf(x[:3]), a16(x[:3]))  # another product's rows: not the step's
     on = torch.from_numpy(marks.astype(bool))
@@ -176,21 +175,7 @@ def test_the_fused_step_rounds_the_marked_rows_only(bf16_kernel, tmp_path):
     rows differ from them by bf16's rounding and agree with the lean forward's marked rows to it
     (both round the same products; their other sums run in another order)."""
     runner = _runner(build_tiny_model("qwen2-sliding", tmp_path / "q"), quantization="w4a16-bf16prefill")
-    fused = paged_decoder(runner.model.model)
-    gen = torch.Generator().manual_seed(1)
-    _prefill(runner, SEQS, gen)
-    snapshot = _pool(runner)
-    ids, pos, batch = _step(runner, SEQS, True, gen)
-    marks = np.zeros(ids.shape[-1], dtype=np.uint8)
-    marks[2:] = 1  # rows 0, 1: the two decodes; then the chunk and the prompt
-    on = torch.from_numpy(marks.astype(bool))
-    with torch.inference_mode():
-        plain = fused(ids, pos, batch).clone()
-        _restore(runner, snapshot)
-        with lowbit.bf16_rows(marks):
-            got = fused(ids, pos, batch).clone()
-            _restore(runner, snapshot)
-            lean = _lean(runner)(ids, pos, batch).clone()
+    plain, got, lean, on, _snapshot, _step = _marked_mixed_step(runner)
     print(f"\nmarked rows vs w4a16: {_rel(got[on], plain[on]):.1e}, fused vs lean: {_rel(got, lean):.1e} "
           f"on {kernel_description('w4a16-bf16prefill')}")
     assert torch.equal(got[~on], plain[~on])

@@ -100,6 +100,31 @@ def _both(runner, seqs, seed=0):
     return got, want, _pool(runner), lean_cache
 
 
+def _marked_mixed_step(runner):
+    """A mixed step (two decodes, a 23-token chunk, a 9-token prompt: SEQS) from a prefilled cache, its
+    chunk and prompt rows marked as the runner marks prompt rows, through the fused forward without
+    marks (plain) and with them (marked), and the lean forward with them, each from the same cache:
+    (plain, marked, lean, the marks as a bool tensor, the pool before the step, (ids, pos, batch))."""
+    import numpy as np
+
+    fused = paged_decoder(runner.model.model)
+    gen = torch.Generator().manual_seed(1)
+    _prefill(runner, SEQS, gen)
+    snapshot = _pool(runner)
+    step = _step(runner, SEQS, True, gen)
+    marks = np.zeros(step[0].shape[-1], dtype=np.uint8)
+    marks[2:] = 1  # rows 0, 1: the two decodes; then the chunk and the prompt
+    with torch.inference_mode():
+        plain = fused(*step).clone()
+        _restore(runner, snapshot)
+        with lowbit.prompt_rows(marks):
+            marked = fused(*step).clone()
+            _restore(runner, snapshot)
+            lean = _lean(runner)(*step).clone()
+        _restore(runner, snapshot)
+    return plain, marked, lean, torch.from_numpy(marks.astype(bool)), snapshot, step
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 

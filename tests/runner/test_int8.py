@@ -262,7 +262,7 @@ def test_weight_only_linear_is_its_dequantized_matmul(dtype):
 def test_bad_quantization_is_refused_by_name_and_device(quantized_runner):
     model = quantized_runner.model
     before = {name: b.clone() for name, b in model.named_buffers()}
-    with pytest.raises(QuantizationError, match="'int4': expected one of none, w8a8, w8a16, w4a16, w4a8, w4a16-bf16prefill, int8"):
+    with pytest.raises(QuantizationError, match="'int4': expected one of none, w8a8, w8a16, w4a16, w4a8, w4a16-int16, w4a16-bf16prefill, int8"):
         quantize_linears(model, "int4", torch.device("cpu"))
     with pytest.raises(QuantizationError, match="CPU only"):
         quantize_linears(model, "w8a16", torch.device("cuda"))

@@ -9,6 +9,7 @@ import logging
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -166,49 +167,63 @@ def test_q8_0_blocks_come_back_exactly_as_head_and_embedding(native):
     assert (dequantized_int8g(rough.qweight, rough.scales) - lin.weight).abs().max() <= rough.scales.max() * 0.5001
 
 
-def q8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """The activations a w4a8 product multiplies: x rounded per group of 32 (lowbit.q8_activations)."""
-    q, d = lowbit.q8_activations(x)
+def q8_rounded(x: torch.Tensor, activations=lowbit.q8_activations) -> torch.Tensor:
+    """The activations a w4a8 product multiplies: x rounded per group of 32 (lowbit.q8_activations;
+    `activations=lowbit.q16_activations`: a w4a16-int16 decode row's)."""
+    q, d = activations(x)
     m, k = x.shape
     return (q.reshape(m, k // 32, 32).double() * d.double()[..., None]).reshape(m, k)
 
 
+# (product, activations' rounding, its error against the fp32 product: lowest, highest)
+INTEGER_ACTIVATIONS = {
+    # w4a8: d = max|x| / 127; the fp32 product is ~1e-2 away
+    "int4q8_matmul": (lowbit.q8_activations, 1e-4, 1.0),
+    # w4a16-int16's decode rows: d = max|x| / 32767; 1.6e-5 to 2.4e-5 away here (AVX2), not int8's 1e-2
+    "int4q16_matmul": (lowbit.q16_activations, 5e-6, 1e-4),
+}
+
+
+@pytest.mark.parametrize("product", sorted(INTEGER_ACTIVATIONS))
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17])
 @pytest.mark.parametrize("k,n", [(32, 7), (96, 37), (576, 101)])
-def test_int4q8_matmul_is_the_product_of_the_int8_rounded_activations(kernel, m, k, n):
-    """w4a8: the kernel multiplies x rounded to int8 per group of 32 (d = max|x| / 127), exactly the
-    rounding `q8_activations` computes: any code of it rounding one value otherwise would be off
-    by ~1e-3 here, where fp32 summation order gives ~1e-7. And it does round: the fp32 product is
-    ~1e-2 away."""
+def test_integer_activation_products_are_the_products_of_the_rounded_activations(kernel, product, m, k, n):
+    """w4a8 and w4a16-int16: the kernel multiplies x rounded per group of 32 (d = max|x| / 127 or
+    / 32767), exactly the rounding `q8_activations` / `q16_activations` computes, with integer sums:
+    within fp32's summation order of that product (measured under 4e-7; any code rounding one
+    value otherwise would be ~1e-3 off for int8, ~1e-5 for int16). And it does round, by its own
+    step: the fp32 product is between the bounds INTEGER_ACTIVATIONS gives."""
+    activations, lowest, highest = INTEGER_ACTIVATIONS[product]
     codes, packed, scales, mins = int4_weights(n, k, seed=m * 1000 + k + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     if k > 32:
         x[0, :32] = 0  # an all-zero group: d = 0
         x[-1, 32:64] = 1e-38 * torch.rand(32, generator=torch.Generator().manual_seed(k))  # d below FLT_MIN: zero
-    got = kernel.int4q8_matmul(x, packed, scales, mins)
+    got = getattr(kernel, product)(x, packed, scales, mins)
     w = dequantized_int4(codes, scales, mins).t()
-    want = q8_rounded(x) @ w
     assert got.dtype == torch.float32 and got.shape == (m, n)
-    assert rel(got, want) < 2e-6, rel(got, want)
-    assert rel(got, x.double() @ w) > 1e-4
+    assert rel(got, q8_rounded(x, activations) @ w) < 2e-6, rel(got, q8_rounded(x, activations) @ w)
+    assert lowest < rel(got, x.double() @ w) < highest
 
 
-def test_int4q8_carries_a_non_finite_activation_into_its_rows_outputs(kernel):
+@pytest.mark.parametrize("product", ["int4q8_matmul", "int4q16_matmul"])
+def test_integer_products_carry_a_non_finite_activation_into_its_rows_outputs(kernel, product):
     """A NaN or an infinity in a row makes that row's outputs NaN, as the fp32 product's would be,
     and leaves the other rows alone (it is not rounded into a finite integer); a vanishing group
-    is zero."""
+    is zero. Both integer activations (w4a8's int8, w4a16-int16's int16)."""
+    multiply = getattr(kernel, product)
     codes, packed, scales, mins = int4_weights(24, 96, seed=1)
     x = torch.randn(3, 96)
     x[0, 40] = float("nan")
     x[2, 5] = float("inf")
-    got = kernel.int4q8_matmul(x, packed, scales, mins)
+    got = multiply(x, packed, scales, mins)
     assert torch.isnan(got[0]).all() and torch.isnan(got[2]).all()
     assert torch.isfinite(got[1]).all()
-    assert torch.equal(got[1], kernel.int4q8_matmul(x[1:2].contiguous(), packed, scales, mins)[0])
+    assert torch.equal(got[1], multiply(x[1:2].contiguous(), packed, scales, mins)[0])
     # A group so small that 1 / d would overflow (d < FLT_MIN) counts as zero, not as garbage.
     tiny = torch.zeros(1, 96)
     tiny[0, :32] = 1e-38
-    assert torch.equal(kernel.int4q8_matmul(tiny, packed, scales, mins), torch.zeros(1, 24))
+    assert torch.equal(multiply(tiny, packed, scales, mins), torch.zeros(1, 24))
 
 
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
@@ -221,6 +236,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
     x = torch.randn(15, 576)
     batched4 = kernel.int4_matmul(x, packed, scales, mins)
     batched4q8 = kernel.int4q8_matmul(x, packed, scales, mins)
+    batched4q16 = kernel.int4q16_matmul(x, packed, scales, mins)
     batched8 = kernel.int8_matmul(x, q8, s8)
     g8, gs = q8_0_weights(200, 576, seed=4)
     batched8g = kernel.int8g_matmul(x, g8, gs)
@@ -228,6 +244,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
         row = x[r : r + 1].contiguous()
         assert torch.equal(kernel.int4_matmul(row, packed, scales, mins)[0], batched4[r])
         assert torch.equal(kernel.int4q8_matmul(row, packed, scales, mins)[0], batched4q8[r])
+        assert torch.equal(kernel.int4q16_matmul(row, packed, scales, mins)[0], batched4q16[r])
         assert torch.equal(kernel.int8_matmul(row, q8, s8)[0], batched8[r])
         assert torch.equal(kernel.int8g_matmul(row, g8, gs)[0], batched8g[r])
     threads = torch.get_num_threads()
@@ -235,6 +252,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
         torch.set_num_threads(1)
         assert torch.equal(kernel.int4_matmul(x, packed, scales, mins), batched4)
         assert torch.equal(kernel.int4q8_matmul(x, packed, scales, mins), batched4q8)
+        assert torch.equal(kernel.int4q16_matmul(x, packed, scales, mins), batched4q16)
         assert torch.equal(kernel.int8_matmul(x, q8, s8), batched8)
         assert torch.equal(kernel.int8g_matmul(x, g8, gs), batched8g)
     finally:
@@ -307,6 +325,35 @@ def test_the_w4a8_linear_runs_the_int8_activation_product_and_is_refused_without
     monkeypatch.setenv(lowbit.KERNEL_ENV, "torch")
     with pytest.raises(QuantizationError, match="w4a8 runs on Magnitude's low-bit kernels only"):
         Int4WeightOnlyLinear(lin, activations="int8")
+
+
+def test_the_w4a16_int16_linear_takes_decode_rows_in_int16_and_prompt_rows_as_w4a16(native, monkeypatch):
+    """w4a16-int16's module multiplies int16-rounded activations, except for the rows
+    `lowbit.prompt_rows` marks for a product of that many rows, which it multiplies exactly as w4a16
+    does; where Magnitude's kernels are not in use it is refused by name."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(576, 96, bias=True)
+    x = torch.randn(5, 576)
+    a16, a16i = Int4WeightOnlyLinear(lin), Int4WeightOnlyLinear(lin, activations="int16")
+    assert torch.equal(a16.qweight, a16i.qweight) and "A in int16 (magnitude-" in repr(a16i)
+    nibbles = a16i.qweight.reshape(96, 18, 16).int()
+    w = dequantized_int4(torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(96, 576), a16i.scales, a16i.mins)
+    plain = a16i(x)
+    assert rel(plain, q8_rounded(x, lowbit.q16_activations) @ w.t() + lin.bias.double()) < 2e-6
+    print(f"\nw4a16-int16 vs w4a16 on {isa_description()}: {rel(plain, a16(x)):.1e}")
+    assert 5e-6 < rel(plain, a16(x)) < 1e-4
+    marks = np.array([0, 1, 1, 0, 1], dtype=np.uint8)
+    on = torch.from_numpy(marks.astype(bool))
+    with lowbit.prompt_rows(marks):
+        got = a16i(x)
+        assert torch.equal(a16i(x[:3]), plain[:3])  # another product's rows: not the step's
+        assert torch.equal(a16i(x[on]), plain[on])  # nor these, three rows of another product
+    assert torch.equal(got[on], a16(x)[on]) and torch.equal(got[~on], plain[~on])
+    with lowbit.prompt_rows(np.ones(5, dtype=np.uint8)):
+        assert torch.equal(a16i(x), a16(x))
+    monkeypatch.setenv(lowbit.KERNEL_ENV, "torch")
+    with pytest.raises(QuantizationError, match="w4a16-int16 runs on Magnitude's low-bit kernels only"):
+        Int4WeightOnlyLinear(lin, activations="int16")
 
 
 def test_a_cached_build_is_reused_and_keyed_by_the_cpu(tmp_path, monkeypatch):

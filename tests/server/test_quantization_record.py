@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import openai
@@ -104,6 +104,18 @@ def test_enforce_false_serves_a_failed_record_and_says_so(cache: Path, cost_mode
         assert "failed" in log.read_text() and "enforce is false" in log.read_text()
 
 
+def _served_record(url: str, proc: subprocess.Popen, log: Path, method: str) -> tuple[openai.OpenAI, Any, dict]:
+    """Once loaded with `method`'s weights: an openai client, the served model and its record."""
+    r = _wait_loaded(url, proc, log)
+    assert r.status_code == 200, r.text
+    assert r.json()["weights"]["quantization"] == method
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0]
+    q = model.model_extra["quantization"]
+    print(f"\n{method} evaluation record: {q}")
+    return client, model, q
+
+
 def test_w4a8_is_served_end_to_end_with_its_own_record(cache: Path, cost_model_file: Path, tmp_path: Path) -> None:
     """w4a8 (int8 activations) through `magnitude serve` and the openai client: evaluated as its own
     method and served. Its record fails one probe on SmolLM2 on AVX2 (docs/runner.md; as
@@ -112,16 +124,26 @@ def test_w4a8_is_served_end_to_end_with_its_own_record(cache: Path, cost_model_f
     the other tests' subject; the figures are checked here."""
     for url, proc, log in _serve(cache, cost_model_file, tmp_path, "quantizationEvaluation.enforce=false",
                                  method="w4a8"):
-        r = _wait_loaded(url, proc, log)
-        assert r.status_code == 200, r.text
-        assert r.json()["weights"]["quantization"] == "w4a8"
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        model = client.models.list().data[0]
-        q = model.model_extra["quantization"]
-        print(f"\nw4a8 evaluation record: {q}")
+        client, model, q = _served_record(url, proc, log, "w4a8")
         assert q["method"] == "w4a8" and not q["cached"] and "lowbit=magnitude-" in q["isa"]
         assert q["top1_agreement"] >= 0.9 and q["mean_kl"] <= 0.05 and q["probes_passed"] >= 2
         chat = client.chat.completions.create(model=model.id, max_tokens=16, temperature=0,
                                               messages=[{"role": "user", "content": "What is 7 plus 5?"}])
         assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
         assert 'quantization="w4a8"' in httpx.get(url + "/metrics").text
+
+
+def test_w4a16_int16_is_served_end_to_end_and_passes_its_record(cache: Path, cost_model_file: Path,
+                                                                  tmp_path: Path) -> None:
+    """w4a16-int16 (decodes in int16 activations, prompt chunks as w4a16) through `magnitude serve`
+    and the openai client with the default thresholds, enforced: its record passes every probe the
+    reference passes (top-1 1.000, mean KL 4e-7 on SmolLM2, AVX2), and a chat answers greedily as
+    w4a16 and fp32 do."""
+    for url, proc, log in _serve(cache, cost_model_file, tmp_path, method="w4a16-int16"):
+        client, model, q = _served_record(url, proc, log, "w4a16-int16")
+        assert q["method"] == "w4a16-int16" and q["passed"] and q["enforced"] and "lowbit=magnitude-" in q["isa"]
+        assert q["top1_agreement"] >= 0.99 and q["mean_kl"] <= 1e-4 and q["probes_passed"] == q["probes_total"]
+        chat = client.chat.completions.create(model=model.id, max_tokens=16, temperature=0,
+                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in chat.choices[0].message.content
+        assert 'quantization="w4a16-int16"' in httpx.get(url + "/metrics").text

@@ -25,7 +25,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 # Weight quantization methods `magnitude serve --quantization` knows; the compute dtype is `Dtype`.
 # "int8" is the earlier name of w8a8, kept so objects written before the split still validate.
-Quantization = Literal["none", "w8a8", "w8a16", "w4a16", "w4a8", "w4a16-bf16prefill", "int8"]
+Quantization = Literal["none", "w8a8", "w8a16", "w4a16", "w4a8", "w4a16-int16", "w4a16-bf16prefill", "int8"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 DEFAULT_ENGINE_IMAGE = "magnitude/engine:0.1.0"
@@ -367,7 +367,9 @@ class ModelServiceSpec(EngineConfig):
         "w8a16 (int8 weights, activations in `dtype`); w4a16 (4-bit weights in groups of 32 with scale and "
         "minimum, GGUF Q4_1's layout, int8 LM head; fp32 activations on the engine's own kernels, bf16 on torch's where "
         "those cannot be built); w4a8 (w4a16's weights with activations rounded to int8 per group of 32 and integer "
-        "dot products, GGUF's Q4_1 x Q8_1 as llama.cpp runs it; the engine's own kernels only); w4a16-bf16prefill "
+        "dot products, GGUF's Q4_1 x Q8_1 as llama.cpp runs it; the engine's own kernels only); w4a16-int16 (w4a16's "
+        "weights; decodes' activations rounded to int16 per group of 32 and integer dot products, faster at a few "
+        "decodes a step, prompt chunks as w4a16; the engine's own kernels only); w4a16-bf16prefill "
         "(w4a16's weights; decodes as w4a16, prompt chunks' products in bf16 with AVX512-BF16 dot products; the "
         "engine's own kernels on a CPU with avx512_bf16 only, refused elsewhere); int8 (the earlier "
         "name of w8a8). "

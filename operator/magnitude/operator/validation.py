@@ -14,10 +14,10 @@ from magnitude.operator.spec import PVC_SCHEME, PVC_SOURCE, ModelServiceSpec
 from magnitude.policy.schema import speculation_problem
 
 # What `magnitude serve --quantization` can load today. Widen these as the runner learns more.
-ENGINE_QUANTIZATIONS = frozenset({"none", "w8a8", "w8a16", "w4a16", "w4a8", "w4a16-bf16prefill", "int8"})
-# The engine's low-bit kernels (its own C kernels for w4a16, w4a8, w4a16-bf16prefill and w8a16, else torch's; torch._int_mm
+ENGINE_QUANTIZATIONS = frozenset({"none", "w8a8", "w8a16", "w4a16", "w4a8", "w4a16-int16", "w4a16-bf16prefill", "int8"})
+# The engine's low-bit kernels (its own C kernels for w4a16, w4a8, w4a16-int16, w4a16-bf16prefill and w8a16, else torch's; torch._int_mm
 # for w8a8) are validated on the CPU only (runner/quantize.py); `magnitude serve` refuses them on cuda.
-CPU_ONLY_QUANTIZATIONS = frozenset({"w8a8", "w8a16", "w4a16", "w4a8", "w4a16-bf16prefill", "int8"})
+CPU_ONLY_QUANTIZATIONS = frozenset({"w8a8", "w8a16", "w4a16", "w4a8", "w4a16-int16", "w4a16-bf16prefill", "int8"})
 
 
 # `magnitude serve` flags that spec.auth sets through the environment: the same flag in extraArgs

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="as for `magnitude serve`")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="the KV pool's dtype, as the engine config's kvCache.dtype (auto: float16 beside w4a16/w4a8/w4a16-bf16prefill "
+                   help="the KV pool's dtype, as the engine config's kvCache.dtype (auto: float16 beside w4a16/w4a8/w4a16-int16/w4a16-bf16prefill "
                         "weights on the CPU, else float32): profile what the deployment will serve")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 

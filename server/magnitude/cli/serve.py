@@ -85,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "32 (GGUF Q4_1's layout), int8 LM head, fp32 activations on Magnitude's kernels (bf16 on torch's "
                    "where a C compiler is missing); w4a8 = w4a16's weights with activations rounded to int8 per group "
                    "of 32 and integer dot products (GGUF Q4_1 x Q8_1, as llama.cpp; Magnitude's kernels only); "
+                   "w4a16-int16 = w4a16 with decodes' activations rounded to int16 per group of 32 and integer dot "
+                   "products (faster at a few decodes a step), prompt chunks as w4a16 (Magnitude's kernels only); "
                    "w4a16-bf16prefill = w4a16 with prompt chunks' products in bf16 (AVX512-BF16 dot products; decodes "
                    "as w4a16; Magnitude's kernels on a CPU with avx512_bf16 only); w8a16 = int8 weights, "
                    "activations in --dtype (weight-only); w8a8 = int8 weights and activations, SmoothQuant-calibrated "

@@ -179,7 +179,7 @@ class KVCachePolicy(PolicyModel):
     dtype: Literal["auto", "float32", "float16"] = Field(
         default="auto",
         description="What the KV cache stores keys and values in; attention sums in float32 either way. "
-        "auto: float16 beside w4a16, w4a8 or w4a16-bf16prefill weights on the CPU (half the memory a token costs; the "
+        "auto: float16 beside w4a16, w4a8, w4a16-int16 or w4a16-bf16prefill weights on the CPU (half the memory a token costs; the "
         "quantization's evaluation record measures the model with it), float32 beside any other "
         "weights on the CPU (unquantized: exact), the model's dtype on a GPU.",
     )

@@ -26,10 +26,11 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 #   w4a16: 4-bit weights in groups of 32 with scale + min (GGUF Q4_1's layout), int8 LM head;
 #          activations fp32 in Magnitude's kernels (runner/lowbit.py), bf16 in torch's fallback
 #   w4a8:  w4a16's weights, activations rounded to int8 per group of 32 (Magnitude's kernels only)
+#   w4a16-int16: w4a16's weights, activations rounded to int16 per group of 32 (Magnitude's kernels only)
 #   w4a16-bf16prefill: w4a16's weights; decodes as w4a16, prompt-chunk rows multiplied in bf16
 #          (Magnitude's kernels on a CPU with AVX512-BF16 only)
 #   int8:  the earlier name of w8a8, still accepted so existing specs keep loading
-QUANTIZATIONS = ("none", "w8a8", "w8a16", "w4a16", "w4a8", "w4a16-bf16prefill", "int8")
+QUANTIZATIONS = ("none", "w8a8", "w8a16", "w4a16", "w4a8", "w4a16-int16", "w4a16-bf16prefill", "int8")
 QUANTIZATION_ALIASES = {"int8": "w8a8"}
 
 

@@ -25,7 +25,8 @@ refusing to serve as it does for a quantization asked for by name. An explicit d
 quantization is used as given (`--dtype float32 --quantization none` is the exact reference).
 
 The KV pool's dtype (`kvCache.dtype`, `choose_kv_cache_dtype`) follows the weights: float16 beside
-w4a16/w4a8 weights on the CPU, float32 beside any other, the model's dtype on CUDA.
+w4a16, w4a8, w4a16-int16 or w4a16-bf16prefill weights on the CPU (FLOAT16_KV_QUANTIZATIONS), float32 beside any
+other, the model's dtype on CUDA.
 """
 
 from __future__ import annotations
@@ -108,12 +109,12 @@ def choose_weights(dtype: str | None, quantization: str | None, device_type: str
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
-FLOAT16_KV_QUANTIZATIONS = ("w4a16", "w4a8", "w4a16-bf16prefill")  # auto's float16 pool: the weights the fused C step runs
+FLOAT16_KV_QUANTIZATIONS = ("w4a16", "w4a8", "w4a16-int16", "w4a16-bf16prefill")  # auto's float16 pool: the weights the fused C step runs
 
 
 def choose_kv_cache_dtype(requested: str, device_type: str, quantization: str, model_dtype: str) -> tuple[str, str]:
     """(dtype, reason) of the KV pool for `kvCache.dtype`: as given, or for `auto`
-    - CPU, w4a16 or w4a8 weights (the fused C step's, which reads halves as it attends): float16,
+    - CPU, FLOAT16_KV_QUANTIZATIONS weights (the fused C step's, which reads halves as it attends): float16,
       half the bytes a token costs in memory and in a decode's attention reads; attention still
       sums in fp32. The quantization's evaluation record measures the model with this pool against
       the fp32 reference, so the record that gates a default quantization gates this too;
@@ -131,7 +132,7 @@ def choose_kv_cache_dtype(requested: str, device_type: str, quantization: str, m
     if quantization in FLOAT16_KV_QUANTIZATIONS:
         return "float16", f"CPU, {quantization} weights: float16 K/V, judged with them by the evaluation record"
     if quantization != "none":
-        return "float32", f"CPU, {quantization} weights: float32 K/V (float16 is measured beside w4a16/w4a8 only)"
+        return "float32", f"CPU, {quantization} weights: float32 K/V (float16 is measured beside {', '.join(FLOAT16_KV_QUANTIZATIONS)} only)"
     return "float32", "CPU, unquantized weights: float32 K/V, exact"
 
 

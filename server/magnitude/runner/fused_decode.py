@@ -47,7 +47,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                                      "block_size", "table_width")] + \
                [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("act_int8", ctypes.c_int64),
-                ("kv_f16", ctypes.c_int64), ("bf16_rows", ctypes.c_void_p), ("dense_bf16", ctypes.c_int64)]
+                ("kv_f16", ctypes.c_int64), ("prompt_rows", ctypes.c_void_p), ("dense_bf16", ctypes.c_int64)]
 
 
 _LAYER_POINTERS = ("in_norm", "post_norm", "qkv_codes", "qkv_scales", "qkv_mins", "qkv_bias", "o_codes", "o_scales",
@@ -69,7 +69,7 @@ class _Int4:
     scales: torch.Tensor
     mins: torch.Tensor
     bias: torch.Tensor | None
-    activations: str  # "fp32" (w4a16), "int8" (w4a8) or "bf16prefill" (w4a16-bf16prefill)
+    activations: str  # "fp32" (w4a16), "int8" (w4a8), "int16" (w4a16-int16) or "bf16prefill" (w4a16-bf16prefill)
 
 
 def _native_int4(module: nn.Module | Int4Group | None, kernel: lowbit.LowbitKernels) -> _Int4 | None:
@@ -375,11 +375,12 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         table[i].window = win
     dims = dict(hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling),
-                act_int8=int(kind == "int8"), dense_bf16=int(dense))
-    bf16prefill = kind == "bf16prefill"  # its products read the step's marked rows
+                act_int8={"int8": 1, "int16": 2}.get(kind, 0), dense_bf16=int(dense))
+    bf16prefill = kind == "bf16prefill"
+    marks_prompt_rows = kind in ("bf16prefill", "int16")  # their products read the step's marked rows
     if choose is runs_fused and kernel.isa == "generic":  # int4 products only: dense needs vectors (above)
         choose = functools.partial(runs_fused, **FUSED_BOUNDS_PORTABLE)
-    elif choose is runs_fused and kind == "fp32":  # w4a16
+    elif choose is runs_fused and kind in ("fp32", "int16"):  # w4a16, and w4a16-int16 whose chunks are w4a16's
         choose = functools.partial(runs_fused, **(FUSED_BOUNDS_W4A16_AVX2 if kernel.isa == "avx2" else FUSED_BOUNDS_W4A16))
     elif choose is runs_fused and (bf16prefill or dense):
         choose = functools.partial(runs_fused, **FUSED_BOUNDS_DENSE_BF16) if dense else runs_fused_bf16prefill
@@ -422,9 +423,9 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
         cos, sin = rope.rows(h, position_ids)  # [T, head_dim]
         if cos.shape[-1] != head_dim:  # partial rotary: not something these families do
             return None
-        marked = lowbit.current_bf16_rows(h.shape[0]) if bf16prefill else None
+        marked = lowbit.current_prompt_rows(h.shape[0]) if marks_prompt_rows else None
         d = _Dims(block_size=batch.block_size, table_width=tables.shape[1], kv_f16=int(pool[0].dtype == torch.float16),
-                  bf16_rows=None if marked is None else marked.ctypes.data, **dims)
+                  prompt_rows=None if marked is None else marked.ctypes.data, **dims)
         rc = lib.magnitude_decode_layers(ctypes.byref(d), table, len(layers), h.data_ptr(), h.shape[0],
                                          positions.ctypes.data, tables.ctypes.data, cos.data_ptr(), sin.data_ptr(),
                                          final_norm.data_ptr(), final_eps, torch.get_num_threads())

@@ -7,8 +7,8 @@ activations to bf16; `lowbit_kernels.c` decodes each weight block once for up to
 the activations in fp32 (measured with `bench/lowbit_bench.py`); the fused decode step
 (fused_decode.py) runs whole decoder layers on them, a bfloat16 model's too. quantize.py's w4a16 and w8a16
 linears call these kernels where they load and fall back to torch's where not; w4a8's (int4 weights
-times int8-rounded activations, integer dot products) exist only here, so w4a8 is refused where
-they do not load.
+times int8-rounded activations, integer dot products) and w4a16-int16's (the same with int16)
+exist only here, so those two are refused where they do not load.
 
 The C source is compiled at first use with the system C compiler for this CPU (`-march=native`,
 OpenMP) into `$MAGNITUDE_CACHE/kernels/lowbit-<key>.so`, the key hashing the source, the compiler,
@@ -116,13 +116,24 @@ class LowbitKernels:
                       mins: torch.Tensor) -> torch.Tensor:
         """As `int4_matmul`, with x's rows first quantized to int8 per group of 32 inputs
         (`q8_activations` gives the same rounding in torch): the w4a8 product."""
+        return self._int4_quantized(self.lib.magnitude_int4q8_matmul, "int8", x, codes, scales, mins)
+
+    def int4q16_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                       mins: torch.Tensor) -> torch.Tensor:
+        """As `int4_matmul`, with x's rows first quantized to int16 per group of 32 inputs
+        (`q16_activations` gives the same rounding in torch): the w4a16-int16 product."""
+        return self._int4_quantized(self.lib.magnitude_int4q16_matmul, "int16", x, codes, scales, mins)
+
+    @staticmethod
+    def _int4_quantized(product: ctypes._CFuncPtr, kind: str, x: torch.Tensor, codes: torch.Tensor,
+                        scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         if k % K_MULTIPLE or codes.shape[1] * 2 != k:
             raise ValueError(f"int4 product: x has {k} columns, the weights {codes.shape[1] * 2} (a multiple of 32)")
         y = torch.empty(m, codes.shape[0], dtype=torch.float32)
-        if self.lib.magnitude_int4q8_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
-                                            mins.data_ptr(), y.data_ptr(), torch.get_num_threads()):
-            raise MemoryError(f"int4 x int8 product: no memory for {m} x {k} int8 activations")
+        if product(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
+                   y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"int4 x {kind} product: no memory for {m} x {k} {kind} activations")
         return y
 
     def int8_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -154,42 +165,50 @@ class LowbitKernels:
         return out
 
 
-def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def q8_activations(x: torch.Tensor, largest: float = 127.0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (q [M, K] int8 values as fp32, d [M, K/32]): the rounding the w4a8 products
-    apply to their input (lowbit_kernels.c `quantize_group_q8`), figure for figure for finite x: per
+    apply to their input (lowbit_kernels.c `quantize_group`), figure for figure for finite x: per
     group of 32, d = max|x| / 127 (0 below FLT_MIN, where 1 / d would overflow) and
     q = round-half-even(x * (1 / d)), all in fp32. q * d is the activation the product multiplies;
     tests compare the kernels with it. (A non-finite x: NaN here; the kernels make the group's
-    products NaN.)"""
+    products NaN.) `largest` 32767: `q16_activations`."""
     m, k = x.shape
     g = x.float().reshape(m, k // K_MULTIPLE, K_MULTIPLE)
-    d = g.abs().amax(dim=-1) / 127.0
+    d = g.abs().amax(dim=-1) / largest
     d = torch.where(d >= torch.finfo(torch.float32).tiny, d, torch.zeros_like(d))
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(g * inv[..., None])
     return q.reshape(m, k), d
 
 
-# Which rows of the step being computed are prompt rows, for w4a16-bf16prefill's products (uint8
-# per row of the flattened step; None: none). The runner sets it around a step's forward: a linear
-# sees only its input matrix, not which sequence a row belongs to.
-_BF16_ROWS: ContextVar[np.ndarray | None] = ContextVar("magnitude_bf16_rows", default=None)
+def q16_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `q8_activations` with int16's range, d = max|x| / 32767: the rounding w4a16-int16's
+    products apply to a decode row's input."""
+    return q8_activations(x, 32767.0)
+
+
+# Which rows of the step being computed are prompt rows (uint8 per row of the flattened step; None:
+# none), for the methods whose products treat them apart: w4a16-bf16prefill multiplies them in bf16,
+# w4a16-int16 in fp32 as w4a16 does. The runner sets it around a step's forward: a linear sees only
+# its input matrix, not which sequence a row belongs to.
+_PROMPT_ROWS: ContextVar[np.ndarray | None] = ContextVar("magnitude_prompt_rows", default=None)
+PROMPT_ROW_METHODS = ("w4a16-bf16prefill", "w4a16-int16")
 
 
 @contextmanager
-def bf16_rows(rows: np.ndarray | None) -> Iterator[None]:
-    """Within the block, products of `rows.size` rows run the rows it marks in bf16 (where their
-    linear is w4a16-bf16prefill)."""
-    token = _BF16_ROWS.set(rows)
+def prompt_rows(rows: np.ndarray | None) -> Iterator[None]:
+    """Within the block, products of `rows.size` rows take the rows it marks as prompt rows (where
+    their linear is one of PROMPT_ROW_METHODS)."""
+    token = _PROMPT_ROWS.set(rows)
     try:
         yield
     finally:
-        _BF16_ROWS.reset(token)
+        _PROMPT_ROWS.reset(token)
 
 
-def current_bf16_rows(m: int) -> np.ndarray | None:
+def current_prompt_rows(m: int) -> np.ndarray | None:
     """The marked rows for a product of `m` rows: the step's, if it has that many and marks any."""
-    rows = _BF16_ROWS.get()
+    rows = _PROMPT_ROWS.get()
     return rows if rows is not None and rows.shape == (m,) and rows.any() else None
 
 
@@ -202,6 +221,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.magnitude_int4_matmul.restype = None
     lib.magnitude_int4q8_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, i32]
     lib.magnitude_int4q8_matmul.restype = ctypes.c_int
+    lib.magnitude_int4q16_matmul.argtypes = [p, i64, i64, i64, p, p, p, p, i32]
+    lib.magnitude_int4q16_matmul.restype = ctypes.c_int
     lib.magnitude_int8_matmul.restype = None
     lib.magnitude_int8g_matmul.argtypes = [p, i64, i64, i64, p, p, p, i32]
     lib.magnitude_int8g_matmul.restype = None

@@ -19,7 +19,8 @@
    scale * d * sum(code * q) + min * d * sum(q), the integer sums exact (AVX2: maddubs/madd). No
    fp32 conversion of the weights, so a step reads them at near memory speed where the fp32 path
    is bound by converting them (30 layers at one row: 7.3-7.9 ms against 12.5-12.8 ms, two EPYC
-   cores, a C harness over these functions).
+   cores, a C harness over these functions). w4a16-int16's decode rows take the same products with
+   int16 activations (d = max|x| / 32767, `pmaddwd`), its prompt rows w4a16's fp32 products.
 
    Threads: OpenMP,
    the runtime torch already loaded (gcc's libgomp), so the pools are shared. */
@@ -106,42 +107,39 @@ static inline float hmax(__m256 v) {
 }
 #endif
 
-/* One group of 32 activations as int8 for the w4a8 products: q = round-half-even(x * (1 / d))
-   with d = max|x| / 127 (0 for a group that is zero, or so small that 1 / d would overflow:
-   d < FLT_MIN) and s = d * sum(q). A non-finite input makes the
-   group's d and s NaN (its q 0: rounding it would be undefined), so the products carry it on as
-   fp32's would.
+/* One group of 32 activations as integers for the w4a8 (largest 127: int8) and w4a16-int16
+   (largest 32767: int16) products: q = round-half-even(x * (1 / d)) with d = max|x| / largest (0
+   for a group that is zero, or so small that 1 / d would overflow: d < FLT_MIN), in q[j] (int32,
+   inputs in order), and s = d * sum(q). A non-finite input makes the group's d and s NaN (its q 0:
+   rounding it would be undefined), so the products carry it on as fp32's would.
    The AVX2 and portable code compute the same figures (max and integer sums do not depend on
-   order; the conversion rounds to nearest even as lrintf does), and so does lowbit.py's
-   `q8_activations`. */
-static void quantize_group_q8(const float *xg, int8_t *qg, float *dg, float *sg) {
+   order; the conversion rounds to nearest even as lrintf does), and so do lowbit.py's
+   `q8_activations` and `q16_activations`. */
+static void quantize_group(const float *xg, float largest, int32_t q[32], float *dg, float *sg) {
 #ifdef __AVX2__
-    const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX);
+    const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(FLT_MAX);
     __m256 v[4], amax = _mm256_setzero_ps();
     int finite = 0xFF;
     for (int j = 0; j < 4; j++) {
         v[j] = _mm256_loadu_ps(xg + 8 * j);
         const __m256 a = _mm256_andnot_ps(sign, v[j]);
-        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, largest, _CMP_LE_OQ));  /* false for NaN, inf */
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, top, _CMP_LE_OQ));  /* false for NaN, inf */
         amax = _mm256_max_ps(amax, a);
     }
     if (finite != 0xFF) {
-        memset(qg, 0, 32);
+        memset(q, 0, 32 * sizeof(int32_t));
         *dg = *sg = NAN;
         return;
     }
-    /* a group below FLT_MIN * 127 counts as zero: 1 / d would overflow */
-    const float d0 = hmax(amax) / 127.f, d = d0 >= FLT_MIN ? d0 : 0.f, inv = d > 0.f ? 1.f / d : 0.f;
+    /* a group below FLT_MIN * largest counts as zero: 1 / d would overflow */
+    const float d0 = hmax(amax) / largest, d = d0 >= FLT_MIN ? d0 : 0.f, inv = d > 0.f ? 1.f / d : 0.f;
     const __m256 vinv = _mm256_set1_ps(inv);
-    __m256i iv[4], sum = _mm256_setzero_si256();
+    __m256i sum = _mm256_setzero_si256();
     for (int j = 0; j < 4; j++) {
-        iv[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
-        sum = _mm256_add_epi32(sum, iv[j]);
+        const __m256i iv = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
+        _mm256_storeu_si256((__m256i *)(q + 8 * j), iv);
+        sum = _mm256_add_epi32(sum, iv);
     }
-    /* packs work within 128-bit halves: the permutation puts the 32 values back in order */
-    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-    packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)qg, packed);
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
@@ -156,29 +154,37 @@ static void quantize_group_q8(const float *xg, int8_t *qg, float *dg, float *sg)
         amax = a > amax ? a : amax;
     }
     if (!finite) {
-        memset(qg, 0, 32);
+        memset(q, 0, 32 * sizeof(int32_t));
         *dg = *sg = NAN;
         return;
     }
-    const float d0 = amax / 127.f, d = d0 >= FLT_MIN ? d0 : 0.f, inv = d > 0.f ? 1.f / d : 0.f;
+    const float d0 = amax / largest, d = d0 >= FLT_MIN ? d0 : 0.f, inv = d > 0.f ? 1.f / d : 0.f;
     int32_t sum = 0;
     for (int j = 0; j < 32; j++) {
-        const int32_t v = (int32_t)lrintf(xg[j] * inv);
-        qg[j] = (int8_t)v;
-        sum += v;
+        q[j] = (int32_t)lrintf(xg[j] * inv);
+        sum += q[j];
     }
     *dg = d;
     *sg = d * (float)sum;
 #endif
 }
 
-/* Rows x [m][k] (row stride ldx) as int8 per group (quantize_group_q8): q [m][k], d and s [m][k/32]. */
-static void quantize_rows_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d, float *s) {
+/* Rows x [m][k] (row stride ldx) as integers per group (quantize_group): int8 (bits 8) or int16
+   (bits 16) q [m][k], d and s [m][k/32]. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t ldx, int bits, void *q, float *d, float *s) {
     const int64_t G = k / 32;
     for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < G; g++)
-            quantize_group_q8(x + r * ldx + g * 32, q + r * k + g * 32, d + r * G + g, s + r * G + g);
+        for (int64_t g = 0; g < G; g++) {
+            int32_t qg[32];
+            const int64_t at = r * k + g * 32;
+            quantize_group(x + r * ldx + g * 32, bits == 16 ? 32767.f : 127.f, qg, d + r * G + g, s + r * G + g);
+            if (bits == 16)
+                for (int j = 0; j < 32; j++) ((int16_t *)q)[at + j] = (int16_t)qg[j];
+            else
+                for (int j = 0; j < 32; j++) ((int8_t *)q)[at + j] = (int8_t)qg[j];
+        }
 }
+
 
 #ifdef __AVX2__
 static inline float hsum(__m256 v) {
@@ -489,14 +495,32 @@ DEFINE_BLOCKED(int4, DECODE_INT4, )
 DEFINE_BLOCKED(int8, DECODE_INT8, * scales[ch])
 DEFINE_BLOCKED(int8g, DECODE_INT8G, )
 
-/* Channels [n0, n1) for exactly M rows of int8 activations (quantize_rows_q8), NB channels at a
-   time. As in DEFINE_PASS, a row's sums run in the same order whatever M and NB are. */
-#define DEFINE_Q8_PASS(M, NB)                                                                      \
-static void int4q8_pass_##M##_##NB(const int8_t *q, const float *d, const float *s, int64_t k,    \
+/* Channels [n0, n1) for exactly M rows of integer activations, NB channels at a time: int8 (w4a8,
+   quantize_rows) or int16 (w4a16-int16). A group's product with a row is
+   CODES (the group's 16 code bytes b as integer vectors) and ROW_SUM (p: 8 int32 lanes of
+   code * q sums, exact) from the row's group qg, then scale * d times p into the row's
+   accumulator. As in DEFINE_PASS, a row's sums run in the same order whatever M and NB are.
+   - int8: the 32 codes as bytes in input order and `pmaddubsw` (unsigned codes times signed q in
+     pairs) then `pmaddwd` by ones: GGUF's Q4_1 x Q8_1 dot product.
+   - int16: the codes widened to 16-bit lanes (low nibbles, then high) and `pmaddwd` against q:
+     lane l holds inputs 2l, 2l + 1, 16 + 2l and 17 + 2l. No conversion of each weight to fp32:
+     at one row about half the instructions of the fp32 pass, at 8 rows as many (AVX-512 builds
+     run this AVX2 code too, so the two compute the same bits). */
+#define Q8_CODES() const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+#define Q8_ROW_SUM()                                                                               \
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)qg)), \
+                                        _mm256_set1_epi16(1));
+#define Q16_CODES()                                                                                \
+    const __m256i b16 = _mm256_cvtepu8_epi16(b), lo = _mm256_and_si256(b16, _mm256_set1_epi16(0x0F)), \
+                  hi = _mm256_srli_epi16(b16, 4);
+#define Q16_ROW_SUM()                                                                              \
+    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)qg)), \
+                                       _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(qg + 16))));
+#define DEFINE_QA_PASS(NAME, QT, CODES, ROW_SUM, M, NB)                                            \
+static void NAME##_pass_##M##_##NB(const QT *q, const float *d, const float *s, int64_t k,          \
                                    const uint8_t *codes, const float *scales, const float *mins,   \
                                    float *y, int64_t ldy, int64_t n0, int64_t n1) {                \
     const int64_t G = k / 32;                                                                      \
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                       \
     int64_t n = n0;                                                                                \
     for (; n + NB <= n1; n += NB) {                                                                \
         __m256 acc[M][NB];                                                                         \
@@ -508,13 +532,12 @@ static void int4q8_pass_##M##_##NB(const int8_t *q, const float *d, const float 
                 const uint8_t *cp = codes + ch * (k / 2) + g * 16;                                 \
                 if (M <= 2 && ch + PREFETCH_CHANNELS < n1)                                         \
                     _mm_prefetch((const char *)(cp + PREFETCH_CHANNELS * (k / 2)), _MM_HINT_T0);   \
-                __m128i b = _mm_loadu_si128((const __m128i *)cp);                                  \
-                /* the group's 32 codes in input order: low nibbles 0..15, high 16..31 */          \
-                __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low);     \
+                const __m128i b = _mm_loadu_si128((const __m128i *)cp);                            \
+                CODES()                                                                            \
                 const float sc = scales[ch * G + g];                                               \
                 for (int r = 0; r < M; r++) {                                                      \
-                    __m256i qa = _mm256_loadu_si256((const __m256i *)(q + r * k + g * 32));        \
-                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, qa), ones);             \
+                    const QT *qg = q + r * k + g * 32;                                             \
+                    ROW_SUM()                                                                      \
                     acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc * d[r * G + g]), \
                                                 acc[r][c]);                                        \
                 }                                                                                  \
@@ -526,32 +549,32 @@ static void int4q8_pass_##M##_##NB(const int8_t *q, const float *d, const float 
                 y[r * ldy + ch] = hsum(acc[r][c]) + min_term(mins + ch * G, s + r * G, G);         \
             }                                                                                      \
     }                                                                                              \
-    if (n < n1 && NB > 1) int4q8_pass_##M##_1(q, d, s, k, codes, scales, mins, y, ldy, n, n1);     \
+    if (n < n1 && NB > 1) NAME##_pass_##M##_1(q, d, s, k, codes, scales, mins, y, ldy, n, n1);     \
 }
-
-DEFINE_Q8_PASS(1, 1)
-DEFINE_Q8_PASS(1, 4)
-DEFINE_Q8_PASS(2, 1)
-DEFINE_Q8_PASS(2, 2)
-DEFINE_Q8_PASS(4, 1)
-DEFINE_Q8_PASS(8, 1)
-
-/* The int8 rows q (with d and s) times the int4 weights, in passes of 8, 4, 2 and 1 rows. */
-static void int4q8_rows(const int8_t *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes,
-                        const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    while (m > 0) {
-        int step = m >= 8 ? 8 : m >= 4 ? 4 : m >= 2 ? 2 : 1;
-        if (step == 8) int4q8_pass_8_1(q, d, s, k, codes, scales, mins, y, ldy, n0, n1);
-        else if (step == 4) int4q8_pass_4_1(q, d, s, k, codes, scales, mins, y, ldy, n0, n1);
-        else if (step == 2) int4q8_pass_2_2(q, d, s, k, codes, scales, mins, y, ldy, n0, n1);
-        else int4q8_pass_1_4(q, d, s, k, codes, scales, mins, y, ldy, n0, n1);
-        q += step * k;
-        d += step * (k / 32);
-        s += step * (k / 32);
-        y += step * ldy;
-        m -= step;
-    }
+/* The integer rows q (with d and s) times the int4 weights, in passes of 8, 4, 2 and 1 rows. */
+#define DEFINE_QA_ROWS(NAME, QT)                                                                   \
+static void NAME##_rows(const QT *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes, \
+                        const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) { \
+    while (m > 0) {                                                                                \
+        int step = m >= 8 ? 8 : m >= 4 ? 4 : m >= 2 ? 2 : 1;                                       \
+        if (step == 8) NAME##_pass_8_1(q, d, s, k, codes, scales, mins, y, ldy, n0, n1);           \
+        else if (step == 4) NAME##_pass_4_1(q, d, s, k, codes, scales, mins, y, ldy, n0, n1);      \
+        else if (step == 2) NAME##_pass_2_2(q, d, s, k, codes, scales, mins, y, ldy, n0, n1);      \
+        else NAME##_pass_1_4(q, d, s, k, codes, scales, mins, y, ldy, n0, n1);                     \
+        q += step * k;                                                                             \
+        d += step * (k / 32);                                                                      \
+        s += step * (k / 32);                                                                      \
+        y += step * ldy;                                                                           \
+        m -= step;                                                                                 \
+    }                                                                                              \
 }
+#define DEFINE_QA(NAME, QT, CODES, ROW_SUM)                                                        \
+    DEFINE_QA_PASS(NAME, QT, CODES, ROW_SUM, 1, 1) DEFINE_QA_PASS(NAME, QT, CODES, ROW_SUM, 1, 4)  \
+    DEFINE_QA_PASS(NAME, QT, CODES, ROW_SUM, 2, 1) DEFINE_QA_PASS(NAME, QT, CODES, ROW_SUM, 2, 2)  \
+    DEFINE_QA_PASS(NAME, QT, CODES, ROW_SUM, 4, 1) DEFINE_QA_PASS(NAME, QT, CODES, ROW_SUM, 8, 1)  \
+    DEFINE_QA_ROWS(NAME, QT)
+DEFINE_QA(int4q8, int8_t, Q8_CODES, Q8_ROW_SUM)
+DEFINE_QA(int4q16, int16_t, Q16_CODES, Q16_ROW_SUM)
 
 #else
 /* Portable C for CPUs without AVX2 (the compiler vectorises it for the target it builds for). */
@@ -613,28 +636,33 @@ static void int8g_rows(const float *x, int m, int64_t k, const void *codes, cons
     int8_scaled_rows(x, m, k, 32, (const int8_t *)codes, scales, y, ldy, n0, n1);
 }
 
-static void int4q8_rows(const int8_t *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes,
-                        const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) {
-    const int64_t G = k / 32;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *c = codes + n * (k / 2);
-        for (int r = 0; r < m; r++) {
-            const int8_t *qr = q + (int64_t)r * k;
-            float acc = 0.f;
-            for (int64_t g = 0; g < G; g++) {
-                int32_t sum = 0;
-                for (int j = 0; j < 16; j++)
-                    sum += (c[g * 16 + j] & 0x0F) * qr[g * 32 + j] + (c[g * 16 + j] >> 4) * qr[g * 32 + 16 + j];
-                acc += (float)sum * (scales[n * G + g] * d[r * G + g]);
-            }
-            y[r * ldy + n] = acc + min_term(mins + n * G, s + r * G, G);
-        }
-    }
+/* The integer rows q (with d and s) times the int4 weights (w4a8: int8, w4a16-int16: int16). */
+#define DEFINE_QA_ROWS_PORTABLE(NAME, QT)                                                                   \
+static void NAME##_rows(const QT *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes, \
+                        const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) { \
+    const int64_t G = k / 32;                                                                      \
+    for (int64_t n = n0; n < n1; n++) {                                                            \
+        const uint8_t *c = codes + n * (k / 2);                                                    \
+        for (int r = 0; r < m; r++) {                                                              \
+            const QT *qr = q + (int64_t)r * k;                                                     \
+            float acc = 0.f;                                                                       \
+            for (int64_t g = 0; g < G; g++) {                                                      \
+                int32_t sum = 0;                                                                   \
+                for (int j = 0; j < 16; j++)                                                       \
+                    sum += (c[g * 16 + j] & 0x0F) * qr[g * 32 + j] + (c[g * 16 + j] >> 4) * qr[g * 32 + 16 + j]; \
+                acc += (float)sum * (scales[n * G + g] * d[r * G + g]);                            \
+            }                                                                                      \
+            y[r * ldy + n] = acc + min_term(mins + n * G, s + r * G, G);                           \
+        }                                                                                          \
+    }                                                                                              \
 }
+DEFINE_QA_ROWS_PORTABLE(int4q8, int8_t)
+DEFINE_QA_ROWS_PORTABLE(int4q16, int16_t)
 #define int4_product_rows int4_rows  /* portable: the passes take any number of rows */
 #define int8_product_rows int8_rows
 #define int8g_product_rows int8g_rows
 #endif
+
 
 /* ---------------------------------------------------------------------------------------------
    bf16 products for prompt rows (w4a16-bf16prefill). A prefill chunk multiplies many rows by each
@@ -961,12 +989,13 @@ void magnitude_int8g_matmul(const float *x, int64_t m, int64_t k, int64_t n, con
     split_rows(int8g_product_rows, x, m, k, n, codes, scales, 0, y, threads);
 }
 
-/* y [m][n] = q8(x) [m][k] @ W^T, W in the int4 layout above, x quantized per group of 32 inputs
-   (quantize_rows_q8). Returns 0, or -1 when out of memory (y untouched). */
-int magnitude_int4q8_matmul(const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *codes,
-                            const float *scales, const float *mins, float *y, int threads) {
+/* y [m][n] = qa(x) [m][k] @ W^T, W in the int4 layout above, x quantized per group of 32 inputs to
+   int8 (bits 8) or int16 (bits 16) by quantize_rows. Returns 0, or -1 when out
+   of memory (y untouched). */
+static int int4_quantized_matmul(int bits, const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *codes,
+                                 const float *scales, const float *mins, float *y, int threads) {
     if (m <= 0 || n <= 0) return 0;
-    int8_t *q = malloc((size_t)(m * k));
+    void *q = malloc((size_t)(m * k * (bits / 8)));
     float *ds = malloc((size_t)(2 * m * (k / 32)) * sizeof(float));
     if (!q || !ds) {
         free(q);
@@ -974,18 +1003,33 @@ int magnitude_int4q8_matmul(const float *x, int64_t m, int64_t k, int64_t n, con
         return -1;
     }
     float *d = ds, *s = ds + m * (k / 32);
-    quantize_rows_q8(x, m, k, k, q, d, s);
+    quantize_rows(x, m, k, k, bits, q, d, s);
     #pragma omp parallel num_threads(threads)
     {
         int t, nt;
         int64_t a, b;
         team(&t, &nt);
         share(n, t, nt, &a, &b);
-        if (a < b) int4q8_rows(q, d, s, (int)m, k, codes, scales, mins, y, n, a, b);
+        if (a < b) {
+            if (bits == 16) int4q16_rows(q, d, s, (int)m, k, codes, scales, mins, y, n, a, b);
+            else int4q8_rows(q, d, s, (int)m, k, codes, scales, mins, y, n, a, b);
+        }
     }
     free(q);
     free(ds);
     return 0;
+}
+
+/* w4a8's product: int8 activations. */
+int magnitude_int4q8_matmul(const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *codes,
+                            const float *scales, const float *mins, float *y, int threads) {
+    return int4_quantized_matmul(8, x, m, k, n, codes, scales, mins, y, threads);
+}
+
+/* w4a16-int16's product: int16 activations. */
+int magnitude_int4q16_matmul(const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *codes,
+                             const float *scales, const float *mins, float *y, int threads) {
+    return int4_quantized_matmul(16, x, m, k, n, codes, scales, mins, y, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1017,16 +1061,18 @@ typedef struct {
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, table_width;
     float eps, scaling;
-    int64_t act_int8;                                  /* 1: the products take int8 activations (w4a8) */
+    int64_t act_int8;                                  /* 1: int8 activations (w4a8), 2: int16 (w4a16-int16) */
     int64_t kv_f16;                                    /* 1: the pool holds IEEE half floats, else fp32 */
-    const uint8_t *bf16_rows;                          /* [m] or null: rows whose products run in bf16 */
+    const uint8_t *prompt_rows;                        /* [m] or null: a prompt chunk's rows (bf16 in w4a16-bf16prefill, fp32 in w4a16-int16) */
     int64_t dense_bf16;                                /* 1: the layers' weights are bf16 (q_w ... down_w) */
 } magnitude_dims;
 
-/* A thread's int8 copy of the rows it multiplies (w4a8): q [m][k], d and s [m][k/32]. */
+/* A thread's integer copy of the rows it multiplies (w4a8: int8, w4a16-int16: int16, `bits`):
+   q [m][k], d and s [m][k/32]. */
 typedef struct {
-    int8_t *q;
+    void *q;
     float *d, *s;
+    int bits;
 } q8_scratch;
 
 typedef struct {
@@ -1058,22 +1104,49 @@ static void finish_product(const float *out, float *y, int64_t ldy, int64_t m, i
         }
 }
 
+/* w4a16-int16's products over rows x [m][k]: the rows prompt_rows marks (a prompt chunk's, the
+   runner says) in fp32 exactly as w4a16 multiplies them, the others in int16 (int4q16_rows),
+   quantized into q8 first unless `quantized`. A row's result depends on its own input and mark only. */
+static void int4q16_mixed_rows(const float *x, int64_t m, int64_t k, const uint8_t *codes, const float *scales,
+                               const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1,
+                               const q8_scratch *q8, int quantized, const uint8_t *prompt_rows) {
+    const int64_t G = k / 32;
+    for (int64_t r = 0; r < m;) {
+        const int marked = prompt_rows && prompt_rows[r];
+        const int64_t e0 = r;
+        while (r < m && (prompt_rows && prompt_rows[r]) == marked) r++;
+        if (marked) {
+            int4_product_rows(x + e0 * k, (int)(r - e0), k, codes, scales, mins, y + e0 * ldy, ldy, n0, n1);
+            continue;
+        }
+        int16_t *q = (int16_t *)q8->q + e0 * k;
+        float *d = q8->d + e0 * G, *s = q8->s + e0 * G;
+        if (!quantized) quantize_rows(x + e0 * k, r - e0, k, k, 16, q, d, s);
+        int4q16_rows(q, d, s, (int)(r - e0), k, codes, scales, mins, y + e0 * ldy, ldy, n0, n1);
+    }
+}
+
 /* y[r][n0..n1) = x[r] @ W^T (+ bias) (+= into y when accumulate: the residual stream). With q8,
-   x is taken in int8 from it, quantized first unless `quantized` says this thread already holds x
-   there (gate and up share their input); each thread quantizes every row itself: a few
-   microseconds at the rows a fused step has, against a barrier more per product to share it.
-   Without q8, the rows bf16_rows marks run in bf16 when bf16 is given (int4_mixed_rows). */
+   x is taken in int8 or int16 (q8->bits) from it, quantized first unless `quantized` says this
+   thread already holds x there (gate and up share their input); each thread quantizes every row
+   itself: a few microseconds at the rows a fused step has, against a barrier more per product to
+   share it. The rows prompt_rows marks run in bf16 without q8 when bf16 is given
+   (int4_mixed_rows), in fp32 with int16's q8 (int4q16_mixed_rows). */
 static void int4_share(const float *x, int64_t m, int64_t k, const uint8_t *codes, const float *scales,
                        const float *mins, const float *bias, float *y, int64_t ldy, int64_t n0, int64_t n1,
                        int accumulate, float *tmp, const q8_scratch *q8, int quantized,
-                       const uint8_t *bf16_rows, bf16_scratch *bf16) {
+                       const uint8_t *prompt_rows, bf16_scratch *bf16) {
     if (n0 >= n1) return;
     float *out = accumulate ? tmp : y;
     if (q8) {
-        if (!quantized) quantize_rows_q8(x, m, k, k, q8->q, q8->d, q8->s);
-        int4q8_rows(q8->q, q8->d, q8->s, (int)m, k, codes, scales, mins, out, ldy, n0, n1);
+        if (q8->bits == 16) {
+            int4q16_mixed_rows(x, m, k, codes, scales, mins, out, ldy, n0, n1, q8, quantized, prompt_rows);
+        } else {
+            if (!quantized) quantize_rows(x, m, k, k, 8, q8->q, q8->d, q8->s);
+            int4q8_rows(q8->q, q8->d, q8->s, (int)m, k, codes, scales, mins, out, ldy, n0, n1);
+        }
     } else {
-        int4_mixed_rows(x, m, k, codes, scales, mins, out, ldy, n0, n1, bf16_rows, bf16);
+        int4_mixed_rows(x, m, k, codes, scales, mins, out, ldy, n0, n1, prompt_rows, bf16);
     }
     finish_product(out, y, ldy, m, n0, n1, bias, accumulate);
 }
@@ -1605,19 +1678,22 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
         int t, nt, sense = 0;
         team(&t, &nt);
         float *scores = malloc((size_t)max_len * (size_t)units * sizeof(float));
-        /* int8 rows for w4a8: the widest product input is the MLP's (I) or attention's (nattn) */
+        /* integer rows for w4a8 and w4a16-int16: the widest product input is the MLP's (I) or
+           attention's (nattn) */
         const int64_t widest = I > H ? (I > nattn ? I : nattn) : (H > nattn ? H : nattn);
-        q8_scratch q8s = {0, 0, 0}, *q8 = 0;
+        q8_scratch q8s = {0, 0, 0, 8}, *q8 = 0;
         if (d->act_int8) {
-            q8s.q = malloc((size_t)(m * widest));
+            q8s.bits = d->act_int8 == 2 ? 16 : 8;
+            q8s.q = malloc((size_t)(m * widest * (q8s.bits / 8)));
             q8s.d = malloc((size_t)(2 * m * (widest / 32)) * sizeof(float));
             q8s.s = q8s.d ? q8s.d + m * (widest / 32) : 0;
             q8 = &q8s;
         }
-        /* bf16 copies of the marked rows and a weight tile, where built for it (else every row exact) */
+        /* bf16 copies of the marked rows and a weight tile, where built for it (else every row exact);
+           w4a16-int16 (q8) takes its marked rows in fp32 */
         bf16_scratch bf16s, *bf16 = 0;
         int64_t marked = 0;
-        for (int64_t r = 0; d->bf16_rows && r < m; r++) marked += d->bf16_rows[r] != 0;
+        for (int64_t r = 0; !q8 && d->prompt_rows && r < m; r++) marked += d->prompt_rows[r] != 0;
         if (marked && magnitude_lowbit_bf16()) {
             if (bf16_scratch_alloc(&bf16s, marked, widest)) bf16 = &bf16s;
             else {
@@ -1642,7 +1718,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 barrier_wait(&bar, &sense);
                 share(nqkv, t, nt, &a, &b);
                 if (d->dense_bf16) BF16_SHARE(xn, m, H, qkv_w, qkv_rows, 3, L->qkv_bias, qkv, nqkv, a, b, 0, 0);
-                else int4_share(xn, m, H, L->qkv_codes, L->qkv_scales, L->qkv_mins, L->qkv_bias, qkv, nqkv, a, b, 0, 0, q8, 0, d->bf16_rows, bf16);
+                else int4_share(xn, m, H, L->qkv_codes, L->qkv_scales, L->qkv_mins, L->qkv_bias, qkv, nqkv, a, b, 0, 0, q8, 0, d->prompt_rows, bf16);
                 barrier_wait(&bar, &sense);
                 for (int64_t item = t; item < m * d->kv_heads; item += nt) {
                     int64_t r = item / d->kv_heads;
@@ -1658,7 +1734,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
                 if (d->dense_bf16) BF16_SHARE(attn, m, nattn, &L->o_w, &H, 1, L->o_bias, h, H, a, b, 1, tmp);
-                else int4_share(attn, m, nattn, L->o_codes, L->o_scales, L->o_mins, L->o_bias, h, H, a, b, 1, tmp, q8, 0, d->bf16_rows, bf16);
+                else int4_share(attn, m, nattn, L->o_codes, L->o_scales, L->o_mins, L->o_bias, h, H, a, b, 1, tmp, q8, 0, d->prompt_rows, bf16);
                 barrier_wait(&bar, &sense);
                 rms_norm_rows(h, L->post_norm, xn, m, H, d->eps, t, nt);
                 barrier_wait(&bar, &sense);
@@ -1668,8 +1744,8 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                     BF16_SHARE(xn, m, H, gu_w, gu_rows, 2, L->gu_bias, gu, 2 * I, a, b, 0, 0);
                     BF16_SHARE(xn, m, H, gu_w, gu_rows, 2, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0);
                 } else {
-                    int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, a, b, 0, 0, q8, 0, d->bf16_rows, bf16);
-                    int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0, q8, a < b, d->bf16_rows, bf16);
+                    int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, a, b, 0, 0, q8, 0, d->prompt_rows, bf16);
+                    int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0, q8, a < b, d->prompt_rows, bf16);
                 }
                 for (int64_t r = 0; r < m; r++)
                     for (int64_t j = a; j < b; j++) {
@@ -1679,7 +1755,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
                 if (d->dense_bf16) BF16_SHARE(act, m, I, &L->down_w, &H, 1, L->down_bias, h, H, a, b, 1, tmp);
-                else int4_share(act, m, I, L->down_codes, L->down_scales, L->down_mins, L->down_bias, h, H, a, b, 1, tmp, q8, 0, d->bf16_rows, bf16);
+                else int4_share(act, m, I, L->down_codes, L->down_scales, L->down_mins, L->down_bias, h, H, a, b, 1, tmp, q8, 0, d->prompt_rows, bf16);
                 barrier_wait(&bar, &sense);
             }
             /* in place: a row's sum of squares is taken before any of it is written */

@@ -116,7 +116,7 @@ def isa_description() -> str:
     return f"{level} ({present or 'no SIMD flags read'})" + (f" [{' '.join(forced)}]" if forced else "")
 
 
-LOWBIT_METHODS = ("w4a16", "w4a8", "w4a16-bf16prefill", "w8a16")
+LOWBIT_METHODS = ("w4a16", "w4a8", "w4a16-int16", "w4a16-bf16prefill", "w8a16")
 
 
 def kernel_description(method: str) -> str:

@@ -1,4 +1,4 @@
-"""Low-bit weights for the decoder's linear projections and the LM head (CPU): four methods.
+"""Low-bit weights for the decoder's linear projections and the LM head (CPU): five methods.
 
 - `w4a16` (weight-only, 4-bit): `Int4WeightOnlyLinear` keeps 4-bit weights in groups of 32 input
   channels with a scale and a minimum per group, the layout of GGUF's Q4_1 blocks. A weight that is
@@ -17,6 +17,11 @@
   converted to fp32, so a one-row product runs near memory speed (lowbit_kernels.c has the
   figures); the activation rounding is its error, which its evaluation record measures. Magnitude's
   kernels only: refused where they are not built.
+- `w4a16-int16`: w4a16's weights, LM head and embeddings; a decode's products round their input
+  to int16 per group of 32 (d = max|x| / 32767, an error 1/256 of w4a8's) and multiply with integer
+  dot products (`pmaddwd`), which at one or two rows take about half the instructions of converting
+  every weight to fp32; the rows of a prompt chunk are multiplied exactly as w4a16 multiplies them
+  (chunks are arithmetic-bound, where fp32's register tiles are faster). Magnitude's kernels only.
 - `w4a16-bf16prefill`: w4a16's weights, LM head and embeddings; a decode's products exactly as
   w4a16's, while the rows of a prompt chunk (a step's sequence with more than one token) are rounded
   to bf16 and multiplied by the weights rounded to bf16 with AVX512-BF16 dot products, fp32 sums
@@ -409,12 +414,15 @@ def _bf16prefill_unavailable() -> QuantizationError:
                              f"(avx512_bf16 in /proc/cpuinfo), and here they are not ({lowbit.describe()}); use w4a16")
 
 
-INT4_ACTIVATIONS = {"fp32": "w4a16", "int8": "w4a8", "bf16prefill": "w4a16-bf16prefill"}  # -> method
+INT4_ACTIVATIONS = {"fp32": "w4a16", "int8": "w4a8", "int16": "w4a16-int16",
+                    "bf16prefill": "w4a16-bf16prefill"}  # -> method
+INTEGER_ACTIVATIONS = ("int8", "int16")  # Magnitude's kernels only: torch has no such product
 
 
-def _w4a8_unavailable() -> QuantizationError:
-    """w4a8 has no torch fallback: the refusal where Magnitude's kernels are not in use, and why."""
-    return QuantizationError(f"w4a8 runs on Magnitude's low-bit kernels only, and they are not in use here "
+def _integer_activations_unavailable(method: str) -> QuantizationError:
+    """w4a8 and w4a16-int16 have no torch fallback: the refusal where Magnitude's kernels are not in
+    use, and why."""
+    return QuantizationError(f"{method} runs on Magnitude's low-bit kernels only, and they are not in use here "
                              f"({lowbit.describe()}); use w4a16")
 
 
@@ -430,8 +438,9 @@ class Int4WeightOnlyLinear(nn.Module):
 
     `activations="int8"` (w4a8) rounds x to int8 per group of 32 inputs (`lowbit.q8_activations`)
     and multiplies with integer dot products, Magnitude's kernels only (QuantizationError where they
-    are not built). `activations="bf16prefill"` (w4a16-bf16prefill) multiplies the rows that
-    `lowbit.bf16_rows` marks for the step in bf16 and the others as w4a16 does, Magnitude's kernels
+    are not built); `activations="int16"` (w4a16-int16) the same with int16 (`lowbit.q16_activations`)
+    for all but the rows `lowbit.prompt_rows` marks for the step, which it multiplies as w4a16 does. `activations="bf16prefill"` (w4a16-bf16prefill) multiplies the rows that
+    `lowbit.prompt_rows` marks for the step in bf16 and the others as w4a16 does, Magnitude's kernels
     with AVX512-BF16 only.
 
     `grid_error` is the largest |W - dequant(codes)| relative to the group's scale: ~0 when W was
@@ -450,8 +459,8 @@ class Int4WeightOnlyLinear(nn.Module):
             w, lambda rows: int4_codes(rows, group),
             lambda codes, scale, lo: codes.reshape(*scale.shape, group).float() * scale[..., None] + lo[..., None])
         self.kernel = lowbit.kernels() if group == lowbit.K_MULTIPLE else None
-        if activations == "int8" and self.kernel is None:
-            raise _w4a8_unavailable()
+        if activations in INTEGER_ACTIVATIONS and self.kernel is None:
+            raise _integer_activations_unavailable(method)
         if activations == "bf16prefill" and (self.kernel is None or not self.kernel.bf16):
             raise _bf16prefill_unavailable()
         self.activations = activations
@@ -476,11 +485,18 @@ class Int4WeightOnlyLinear(nn.Module):
         shape = x.shape
         if self.kernel is not None:
             rows = _fp32_rows(x, self.in_features)
-            marked = lowbit.current_bf16_rows(rows.shape[0]) if self.activations == "bf16prefill" else None
-            if marked is not None:
+            marked = lowbit.current_prompt_rows(rows.shape[0]) if self.activations in ("bf16prefill", "int16") else None
+            if marked is not None and self.activations == "bf16prefill":
                 y = self.kernel.int4_bf16_matmul(rows, self.qweight, self.scales, self.mins, marked)
+            elif marked is not None:  # w4a16-int16: prompt rows as w4a16's, the others in int16
+                prompt = torch.from_numpy(marked.astype(bool))
+                y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+                y[prompt] = self.kernel.int4_matmul(rows[prompt], self.qweight, self.scales, self.mins)
+                if not bool(prompt.all()):
+                    y[~prompt] = self.kernel.int4q16_matmul(rows[~prompt], self.qweight, self.scales, self.mins)
             else:
-                product = self.kernel.int4q8_matmul if self.activations == "int8" else self.kernel.int4_matmul
+                product = {"int8": self.kernel.int4q8_matmul,
+                           "int16": self.kernel.int4q16_matmul}.get(self.activations, self.kernel.int4_matmul)
                 y = product(rows, self.qweight, self.scales, self.mins)
             return _native_output(y, x, self.bias)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
@@ -644,8 +660,8 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
         bad = [f"{name} ({c.in_features})" for _, name, c in targets if c.in_features % INT4_GROUP]
         if bad:  # before replacing any: a half-quantized model would be neither method
             raise QuantizationError(f"{method} needs input features divisible by {INT4_GROUP}: {', '.join(bad)}")
-        if method == "w4a8" and lowbit.kernels() is None:  # also before replacing any
-            raise _w4a8_unavailable()
+        if activations in INTEGER_ACTIVATIONS and lowbit.kernels() is None:  # also before replacing any
+            raise _integer_activations_unavailable(method)
         if method == "w4a16-bf16prefill" and (lowbit.kernels() is None or not lowbit.kernels().bf16):
             raise _bf16prefill_unavailable()
         fused: set[int] = set()

@@ -339,7 +339,7 @@ class ModelRunner:
     def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: Any,
                 work: list[_Work]) -> torch.Tensor:
         """The decoder's last hidden state for every row of the flattened step ([T, hidden])."""
-        if self.quantization != "w4a16-bf16prefill":
+        if self.quantization not in lowbit.PROMPT_ROW_METHODS:
             return self._decoder(input_ids, position_ids, batch)
         # Prompt rows: a sequence scheduled with more than one token (as StepTiming counts prefill),
         # so a decode, with or without drafts to verify, stays exact.
@@ -349,7 +349,7 @@ class ModelRunner:
                 rows[w.offset : w.offset + len(w.seq.token_ids)] = 1
         if not rows.any():  # a decode-only step: nothing to mark
             return self._decoder(input_ids, position_ids, batch)
-        with lowbit.bf16_rows(rows):
+        with lowbit.prompt_rows(rows):
             return self._decoder(input_ids, position_ids, batch)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
