@@ -495,6 +495,20 @@ DEFINE_BLOCKED(int4, DECODE_INT4, )
 DEFINE_BLOCKED(int8, DECODE_INT8, * scales[ch])
 DEFINE_BLOCKED(int8g, DECODE_INT8G, )
 
+/* min_term for the integer passes: the groups 8 at a time in 8 lanes, then hsum and the rest in
+   order. min_term's one chain of dependent additions per (row, channel), 18 to 48 groups long,
+   made whole w4a16-int16 decode steps of 4-24 rows 1.04-1.32x w4a16's time where this takes
+   0.84-1.13x (SmolLM2, context 100, 2 threads, AVX2 EPYC, the two builds' steps interleaved in
+   one process, 2026-12-06). */
+static inline float min_term_vec(const float *mins, const float *s, int64_t groups) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(s + g), acc);
+    float t = hsum(acc);
+    for (; g < groups; g++) t = fmaf(mins[g], s[g], t);
+    return t;
+}
+
 /* Channels [n0, n1) for exactly M rows of integer activations, NB channels at a time: int8 (w4a8,
    quantize_rows) or int16 (w4a16-int16). A group's product with a row is
    CODES (the group's 16 code bytes b as integer vectors) and ROW_SUM (p: 8 int32 lanes of
@@ -546,7 +560,7 @@ static void NAME##_pass_##M##_##NB(const QT *q, const float *d, const float *s, 
         for (int r = 0; r < M; r++)                                                                \
             for (int c = 0; c < NB; c++) {                                                         \
                 const int64_t ch = n + c;                                                          \
-                y[r * ldy + ch] = hsum(acc[r][c]) + min_term(mins + ch * G, s + r * G, G);         \
+                y[r * ldy + ch] = hsum(acc[r][c]) + min_term_vec(mins + ch * G, s + r * G, G);     \
             }                                                                                      \
     }                                                                                              \
     if (n < n1 && NB > 1) NAME##_pass_##M##_1(q, d, s, k, codes, scales, mins, y, ldy, n, n1);     \
