@@ -27,7 +27,8 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}
 
 
 @pytest.mark.parametrize("flags,q4_1,expected", [
-    (AVX2, True, ("float32", "w4a16")),
+    # w4a16's codes and prompt chunks, decodes in int16 with integer dot products (AVX2 only)
+    (AVX2, True, ("float32", "w4a16-int16")),
     (AVX2, False, ("float32", "none")),
     (AVX512, True, ("float32", "w4a16")),
     # w4a16's exact decodes (4-6x faster than native bf16's), bf16 products for prompt chunks
@@ -49,7 +50,7 @@ def test_a_flag_given_decides_and_cuda_is_bf16_without_quantization():
     assert (c.dtype, c.quantization, c.chosen_by) == (None, "w8a16", "flags")  # the loader's float32
     c = choose_weights(None, None, "cuda", True)
     assert (c.dtype, c.quantization) == (None, "none") and "cuda" in c.reason
-    f = fallback(choose_weights(None, None, "cpu", True, AVX2), ["top-1 agreement 0.5 < 0.9"])
+    f = fallback(choose_weights(None, None, "cpu", True, AVX512), ["top-1 agreement 0.5 < 0.9"])  # w4a16: float32 next
     assert (f.dtype, f.quantization, f.chosen_by) == ("float32", "none", "fallback") and "0.5 < 0.9" in f.reason
     # bf16 prompt products fall back to w4a16 first (judged in turn), and are not chosen where the
     # kernels built here lack them
@@ -57,6 +58,10 @@ def test_a_flag_given_decides_and_cuda_is_bf16_without_quantization():
     f = fallback(choose_weights(None, None, "cpu", True, bf16), ["probes passed 3 < 4"])
     assert (f.dtype, f.quantization, f.chosen_by) == ("float32", "w4a16", "fallback") and "3 < 4" in f.reason
     assert choose_weights(None, None, "cpu", True, bf16, bf16_kernels=False).quantization == "w4a16"
+    # so do int16 decodes; without Magnitude's kernels (torch's chosen, no compiler) w4a16 itself
+    f = fallback(choose_weights(None, None, "cpu", True, AVX2), ["probes passed 3 < 4"])
+    assert (f.dtype, f.quantization, f.chosen_by) == ("float32", "w4a16", "fallback") and "w4a16-int16 failed" in f.reason
+    assert choose_weights(None, None, "cpu", True, AVX2, int16_kernels=False).quantization == "w4a16"
 
 
 @pytest.mark.parametrize("requested,device,quantization,model_dtype,expected", [
@@ -118,7 +123,8 @@ def test_serve_without_flags_loads_the_default_for_this_cpu_and_falls_back_when_
     from magnitude.runner import lowbit
 
     kernels = lowbit.kernels()
-    expected = choose_weights(None, "auto", "cpu", True, bf16_kernels=kernels is not None and kernels.bf16)
+    expected = choose_weights(None, "auto", "cpu", True, bf16_kernels=kernels is not None and kernels.bf16,
+                              int16_kernels=kernels is not None and kernels.isa == "avx2")
     print(f"\nthis CPU: {expected}")
     log = tmp_path / "serve.log"
     for url, proc in _serve(cache, cost_model_file, log):

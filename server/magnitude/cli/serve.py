@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: automatic)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16. auto with --quantization auto: "
                    "the default weights per device (docs/runner.md): bfloat16 on CUDA; on CPU float32 with "
-                   "w4a16-bf16prefill (CPUs with AVX512-BF16) or w4a16 (others) for a Q4_1 GGUF, else bfloat16 on CPUs with AMX/AVX512-BF16 and float32 on others; auto with a quantization "
+                   "w4a16-bf16prefill (CPUs with AVX512-BF16), w4a16-int16 (AVX2 CPUs without AVX-512) or w4a16 (others) for a Q4_1 GGUF, else bfloat16 on CPUs with AMX/AVX512-BF16 and float32 on others; auto with a quantization "
                    "given: float32 on CPU")
     p.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=None,
                    help="CPU weight formats for the decoder linears and LM head: w4a16 = 4-bit weights in groups of "
@@ -91,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "as w4a16; Magnitude's kernels on a CPU with avx512_bf16 only); w8a16 = int8 weights, "
                    "activations in --dtype (weight-only); w8a8 = int8 weights and activations, SmoothQuant-calibrated "
                    "(int8 is its earlier name); auto (default) = the default weights per device with --dtype auto "
-                   "(w4a16-bf16prefill on a CPU with AVX512-BF16, else w4a16, for a Q4_1 GGUF; falling back to "
+                   "(w4a16-bf16prefill on a CPU with AVX512-BF16, w4a16-int16 on an AVX2 CPU without AVX-512, else w4a16, "
+                   "for a Q4_1 GGUF; falling back to "
                    "w4a16, then float32, if its evaluation record fails), else none. Embeddings, norms, attention and the KV cache keep --dtype. "
                    "Before serving, the engine evaluates the quantized model against the unquantized one and refuses "
                    "to serve a quantization given by name below the config's quantizationEvaluation thresholds "
@@ -328,13 +329,15 @@ def _weights_choice(args: argparse.Namespace, source: str) -> Any:
         except ModelSourceError:
             pass  # the load reports it, by name
     device = pick_device(args.device).type
-    bf16_kernels = None
+    bf16_kernels = int16_kernels = None
     if auto and q4_1 and device == "cpu":
         from magnitude.runner import lowbit
 
         kernels = lowbit.kernels()
         bf16_kernels = kernels is not None and kernels.bf16
-    return choose_weights(args.dtype, args.quantization, device, q4_1, bf16_kernels=bf16_kernels)
+        int16_kernels = kernels is not None and kernels.isa == "avx2"
+    return choose_weights(args.dtype, args.quantization, device, q4_1, bf16_kernels=bf16_kernels,
+                          int16_kernels=int16_kernels)
 
 
 def calibrate(runner: Any, progress: Any) -> None:

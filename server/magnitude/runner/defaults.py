@@ -8,10 +8,17 @@ report (issue 17 owns this rule; docs/runner.md "Default weights per CPU" has th
   w4a16-bf16prefill linears. Decodes run exactly as w4a16's (below); prompt chunks multiply in bf16,
   prefill steps of 64 tokens 2.3x as fast as w4a16's, for a record of top-1 0.992 and mean KL 1e-4
   against fp32 (2-core AVX-512 BF16 EPYC, docs/runner.md). Its record failing, w4a16.
+- An AVX2 CPU without AVX-512 serving such a GGUF: fp32 with w4a16-int16 linears, where Magnitude's
+  kernels are built: w4a16's codes and prompt chunks, decode rows' activations rounded to int16
+  with integer dot products: a lone decode step 0.69-0.76x w4a16's time, 8 decodes 0.95-0.96x, 24
+  1.13x (prompt chunks the same), one stream served at 0.93-0.97x llama-server's time a token, for
+  a record of top-1 1.000 and mean KL 4e-7 (2-core AVX2 EPYC, docs/runner.md). Its record failing,
+  w4a16.
 - Any other CPU serving such a GGUF: fp32 with w4a16 linears. Their codes are the file's exactly
   (runner/quantize.py), so the weights lose nothing, and a decode step reads about 6x fewer weight
   bytes than in fp32. bf16 weights would prefill faster but decode 3.7-6.2x slower (batch 1 to 8),
-  and a served stream waits on decodes.
+  and a served stream waits on decodes. (The int16 products are AVX2 code, not measured against
+  AVX-512's fp32 passes.)
 - Any other checkpoint on a CPU with native bf16 matmuls (AMX-BF16 or AVX512-BF16 in
   /proc/cpuinfo): bfloat16 weights, no quantization: bf16 steps there run 1.1-2.7x as fast as fp32's
   and keep the KV cache in fp32.
@@ -19,8 +26,8 @@ report (issue 17 owns this rule; docs/runner.md "Default weights per CPU" has th
   bf16 has no native matmul there.
 
 The quantized choice is gated by its evaluation record: when the record fails the config's
-thresholds, `magnitude serve` reloads with `fallback()` (w4a16 after w4a16-bf16prefill, else fp32
-with no quantization), judges again, and says so, rather than
+thresholds, `magnitude serve` reloads with `fallback()` (w4a16 after w4a16-bf16prefill or
+w4a16-int16, else fp32 with no quantization), judges again, and says so, rather than
 refusing to serve as it does for a quantization asked for by name. An explicit dtype or
 quantization is used as given (`--dtype float32 --quantization none` is the exact reference).
 
@@ -36,6 +43,7 @@ from pathlib import Path
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 BF16_PRODUCT_FLAG = "avx512_bf16"  # VDPBF16PS: w4a16-bf16prefill's prompt products (AMX CPUs list it too)
+INT16_PRODUCT_FLAG = "avx2"  # VPMADDWD on 256 bits: w4a16-int16's decode products
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +82,15 @@ def q4_1_gguf(path: Path | None) -> bool:
 
 
 def choose_weights(dtype: str | None, quantization: str | None, device_type: str, q4_1_source: bool,
-                   flags: frozenset[str] | None = None, bf16_kernels: bool | None = None) -> WeightsChoice:
+                   flags: frozenset[str] | None = None, bf16_kernels: bool | None = None,
+                   int16_kernels: bool | None = None) -> WeightsChoice:
     """The weights to load. Either flag given (not None/"auto") decides, the other taking the
     loader's plain default (no quantization; float32 on CPU); both unset: the rule above.
     `q4_1_source`: the checkpoint's decoder linears are Q4_1 (`q4_1_gguf`). `flags`: the CPU's
     feature flags (default: this machine's). `bf16_kernels`: whether Magnitude's kernels built here
-    have the bf16 products (`lowbit.kernels().bf16`; None: assume so where the flags have avx512_bf16)."""
+    have the bf16 products (`lowbit.kernels().bf16`; None: assume so where the flags have avx512_bf16).
+    `int16_kernels`: whether Magnitude's kernels are in use here (`lowbit.kernels() is not None`; None:
+    assume so), which w4a16-int16 needs."""
     dtype = None if dtype in (None, "", "auto") else dtype
     quantization = None if quantization in (None, "", "auto") else quantization
     if dtype is not None or quantization is not None:
@@ -93,6 +104,11 @@ def choose_weights(dtype: str | None, quantization: str | None, device_type: str
                              f"CPU with {BF16_PRODUCT_FLAG}, Q4_1 checkpoint: w4a16's exact 4-bit codes, decodes as "
                              "w4a16, prompt chunks multiplied in bf16 (2.3x faster prefill steps); gated by the "
                              "evaluation record")
+    if q4_1_source and INT16_PRODUCT_FLAG in flags and "avx512f" not in flags and int16_kernels is not False:
+        return WeightsChoice("float32", "w4a16-int16", "default",
+                             f"CPU with {INT16_PRODUCT_FLAG} (no AVX-512), Q4_1 checkpoint: w4a16's exact 4-bit codes "
+                             "and prompt chunks, decodes' activations rounded to int16 with integer dot products "
+                             "(a lone decode step 0.69-0.76x w4a16's time); gated by the evaluation record")
     if q4_1_source:
         return WeightsChoice("float32", "w4a16", "default",
                              "CPU, Q4_1 checkpoint: w4a16 keeps its 4-bit codes exactly and reads ~6x fewer "
@@ -138,9 +154,9 @@ def choose_kv_cache_dtype(requested: str, device_type: str, quantization: str, m
 
 def fallback(choice: WeightsChoice, failures: list[str]) -> WeightsChoice:
     """What a default quantized choice falls back to when its evaluation record fails: w4a16 after
-    w4a16-bf16prefill (judged in turn), else the exact float32."""
-    if choice.quantization == "w4a16-bf16prefill":
+    w4a16-bf16prefill or w4a16-int16 (judged in turn), else the exact float32."""
+    if choice.quantization in ("w4a16-bf16prefill", "w4a16-int16"):
         return WeightsChoice("float32", "w4a16", "fallback",
-                             f"w4a16-bf16prefill failed its evaluation record ({'; '.join(failures)}): w4a16")
+                             f"{choice.quantization} failed its evaluation record ({'; '.join(failures)}): w4a16")
     return WeightsChoice("float32", "none", "fallback",
                          f"{choice.quantization} failed its evaluation record ({'; '.join(failures)}): float32")

@@ -498,7 +498,7 @@ DEFINE_BLOCKED(int8g, DECODE_INT8G, )
 /* min_term for the integer passes: the groups 8 at a time in 8 lanes, then hsum and the rest in
    order. min_term's one chain of dependent additions per (row, channel), 18 to 48 groups long,
    made whole w4a16-int16 decode steps of 4-24 rows 1.04-1.32x w4a16's time where this takes
-   0.84-1.13x (SmolLM2, context 100, 2 threads, AVX2 EPYC, the two builds' steps interleaved in
+   0.89-1.13x (SmolLM2, context 100, 2 threads, AVX2 EPYC, the two builds' steps interleaved in
    one process, 2026-12-06). */
 static inline float min_term_vec(const float *mins, const float *s, int64_t groups) {
     __m256 acc = _mm256_setzero_ps();
