@@ -143,7 +143,7 @@ def test_serve_without_flags_loads_the_default_for_this_cpu_and_falls_back_when_
         return  # nothing quantized here, so nothing to fall back from
     # w4a16 is exact to the file, so on some CPUs its record is perfect (KL 0.0) and no threshold
     # fails it: the restart reads a failing record from the cache the first start wrote instead.
-    # The next weights in line (w4a16 after w4a16-bf16prefill, else float32) are then judged in turn.
+    # The next weights in line (w4a16 after w4a16-bf16prefill or w4a16-int16, else float32) are then judged in turn.
     records = list((cache / "quantization-records").glob("*.json"))
     assert len(records) == 1, records
     failing = json.loads(records[0].read_text()) | {"top1_agreement": 0.5, "mean_kl": 0.5}

@@ -439,9 +439,10 @@ class Int4WeightOnlyLinear(nn.Module):
     `activations="int8"` (w4a8) rounds x to int8 per group of 32 inputs (`lowbit.q8_activations`)
     and multiplies with integer dot products, Magnitude's kernels only (QuantizationError where they
     are not built); `activations="int16"` (w4a16-int16) the same with int16 (`lowbit.q16_activations`)
-    for all but the rows `lowbit.prompt_rows` marks for the step, which it multiplies as w4a16 does. `activations="bf16prefill"` (w4a16-bf16prefill) multiplies the rows that
-    `lowbit.prompt_rows` marks for the step in bf16 and the others as w4a16 does, Magnitude's kernels
-    with AVX512-BF16 only.
+    for all but the rows `lowbit.prompt_rows` marks for the step, which it multiplies as w4a16 does.
+    `activations="bf16prefill"` (w4a16-bf16prefill) multiplies the rows that `lowbit.prompt_rows`
+    marks for the step in bf16 and the others as w4a16 does, Magnitude's kernels with AVX512-BF16
+    only.
 
     `grid_error` is the largest |W - dequant(codes)| relative to the group's scale: ~0 when W was
     already on a 4-bit grid (de-quantized Q4_1), up to 0.5 otherwise."""
