@@ -89,8 +89,8 @@ def choose_weights(dtype: str | None, quantization: str | None, device_type: str
     `q4_1_source`: the checkpoint's decoder linears are Q4_1 (`q4_1_gguf`). `flags`: the CPU's
     feature flags (default: this machine's). `bf16_kernels`: whether Magnitude's kernels built here
     have the bf16 products (`lowbit.kernels().bf16`; None: assume so where the flags have avx512_bf16).
-    `int16_kernels`: whether Magnitude's kernels are in use here (`lowbit.kernels() is not None`; None:
-    assume so), which w4a16-int16 needs."""
+    `int16_kernels`: whether Magnitude's kernels are in use here and built for AVX2 (`lowbit.kernels()`
+    not None and its `isa` "avx2"; None: assume so), which w4a16-int16 needs."""
     dtype = None if dtype in (None, "", "auto") else dtype
     quantization = None if quantization in (None, "", "auto") else quantization
     if dtype is not None or quantization is not None:
