@@ -38,7 +38,8 @@ from torch import nn
 
 from magnitude.runner import lowbit
 from magnitude.runner.attention import PagedBatch
-from magnitude.runner.quantize import Int4FusedMember, Int4Group, Int4WeightOnlyLinear, Int8GroupEmbedding
+from magnitude.runner.quantize import (PROMPT_ROW_ACTIVATIONS, Int4FusedMember, Int4Group, Int4WeightOnlyLinear,
+                                       Int8GroupEmbedding)
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +378,7 @@ def fused_decoder(inner: nn.Module, window: Callable[[nn.Module], int | None],
                 intermediate=config.intermediate_size, eps=eps.pop(), scaling=float(attn0.scaling),
                 act_int8={"int8": 1, "int16": 2}.get(kind, 0), dense_bf16=int(dense))
     bf16prefill = kind == "bf16prefill"
-    marks_prompt_rows = kind in ("bf16prefill", "int16")  # their products read the step's marked rows
+    marks_prompt_rows = kind in PROMPT_ROW_ACTIVATIONS  # their products read the step's marked rows
     if choose is runs_fused and kernel.isa == "generic":  # int4 products only: dense needs vectors (above)
         choose = functools.partial(runs_fused, **FUSED_BOUNDS_PORTABLE)
     elif choose is runs_fused and kind in ("fp32", "int16"):  # w4a16, and w4a16-int16 whose chunks are w4a16's

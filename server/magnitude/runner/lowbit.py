@@ -192,13 +192,12 @@ def q16_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # w4a16-int16 in fp32 as w4a16 does. The runner sets it around a step's forward: a linear sees only
 # its input matrix, not which sequence a row belongs to.
 _PROMPT_ROWS: ContextVar[np.ndarray | None] = ContextVar("magnitude_prompt_rows", default=None)
-PROMPT_ROW_METHODS = ("w4a16-bf16prefill", "w4a16-int16")
 
 
 @contextmanager
 def prompt_rows(rows: np.ndarray | None) -> Iterator[None]:
     """Within the block, products of `rows.size` rows take the rows it marks as prompt rows (where
-    their linear is one of PROMPT_ROW_METHODS)."""
+    their linear is one of quantize.PROMPT_ROW_METHODS)."""
     token = _PROMPT_ROWS.set(rows)
     try:
         yield

@@ -417,6 +417,10 @@ def _bf16prefill_unavailable() -> QuantizationError:
 INT4_ACTIVATIONS = {"fp32": "w4a16", "int8": "w4a8", "int16": "w4a16-int16",
                     "bf16prefill": "w4a16-bf16prefill"}  # -> method
 INTEGER_ACTIVATIONS = ("int8", "int16")  # Magnitude's kernels only: torch has no such product
+# Kinds whose products take the rows `lowbit.prompt_rows` marks apart (bf16 products; fp32 ones), and
+# their methods, for which the runner marks a step's prompt rows.
+PROMPT_ROW_ACTIVATIONS = ("bf16prefill", "int16")
+PROMPT_ROW_METHODS = tuple(INT4_ACTIVATIONS[a] for a in PROMPT_ROW_ACTIVATIONS)
 
 
 def _integer_activations_unavailable(method: str) -> QuantizationError:
@@ -486,15 +490,16 @@ class Int4WeightOnlyLinear(nn.Module):
         shape = x.shape
         if self.kernel is not None:
             rows = _fp32_rows(x, self.in_features)
-            marked = lowbit.current_prompt_rows(rows.shape[0]) if self.activations in ("bf16prefill", "int16") else None
+            marked = lowbit.current_prompt_rows(rows.shape[0]) if self.activations in PROMPT_ROW_ACTIVATIONS else None
             if marked is not None and self.activations == "bf16prefill":
                 y = self.kernel.int4_bf16_matmul(rows, self.qweight, self.scales, self.mins, marked)
+            elif marked is not None and marked.all():  # w4a16-int16, a prompt-only step: w4a16's products
+                y = self.kernel.int4_matmul(rows, self.qweight, self.scales, self.mins)
             elif marked is not None:  # w4a16-int16: prompt rows as w4a16's, the others in int16
                 prompt = torch.from_numpy(marked.astype(bool))
                 y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
                 y[prompt] = self.kernel.int4_matmul(rows[prompt], self.qweight, self.scales, self.mins)
-                if not bool(prompt.all()):
-                    y[~prompt] = self.kernel.int4q16_matmul(rows[~prompt], self.qweight, self.scales, self.mins)
+                y[~prompt] = self.kernel.int4q16_matmul(rows[~prompt], self.qweight, self.scales, self.mins)
             else:
                 product = {"int8": self.kernel.int4q8_matmul,
                            "int16": self.kernel.int4q16_matmul}.get(self.activations, self.kernel.int4_matmul)

@@ -41,7 +41,7 @@ from magnitude.runner.file_pages import (page_out_gpu_libraries, page_out_shared
 from magnitude.runner.kv_pool import KVShape, PagedKVPool, default_num_blocks
 from magnitude.runner.loading import DEFAULT_SOURCE, load_model, pick_device
 from magnitude.runner.paged_decoder import paged_decoder
-from magnitude.runner.quantize import CALIBRATION_TEXT, check_quantization, quantize_linears
+from magnitude.runner.quantize import CALIBRATION_TEXT, PROMPT_ROW_METHODS, check_quantization, quantize_linears
 from magnitude.runner.sampling import History, Sampler
 
 log = logging.getLogger("magnitude.runner")
@@ -339,7 +339,7 @@ class ModelRunner:
     def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch: Any,
                 work: list[_Work]) -> torch.Tensor:
         """The decoder's last hidden state for every row of the flattened step ([T, hidden])."""
-        if self.quantization not in lowbit.PROMPT_ROW_METHODS:
+        if self.quantization not in PROMPT_ROW_METHODS:
             return self._decoder(input_ids, position_ids, batch)
         # Prompt rows: a sequence scheduled with more than one token (as StepTiming counts prefill),
         # so a decode, with or without drafts to verify, stays exact.
