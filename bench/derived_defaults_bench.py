@@ -1,6 +1,6 @@
 """Derived scheduler defaults against a sweep of hand-set token budgets, on the real model.
 
-    .venv/bin/python bench/derived_defaults_bench.py [--dtypes fp32,bf16,int8,w4a16,w8a16] [--budgets 32,48,64,128,256,2048]
+    .venv/bin/python bench/derived_defaults_bench.py [--dtypes fp32,bf16,int8,w4a16,w4a16-int16,w8a16] [--budgets 32,48,64,128,256,2048]
         [--traces mixed,long] [--threads 2] [--repeats 1] [--out-dir out/bench-derived]
 
 For each dtype, `magnitude serve` runs once with nothing set (tokenBudget and prefillChunkSize null:
@@ -48,9 +48,11 @@ from magnitude.sim.trace import write_trace  # noqa: E402
 DTYPES = {"fp32": ["--dtype", "float32"], "bf16": ["--dtype", "bfloat16"],
           "int8": ["--dtype", "float32", "--quantization", "w8a8"],
           # weight-only low-bit linears: this GGUF's default is w4a16-bf16prefill on CPUs with
-          # AVX512-BF16, w4a16 on the others (runner/defaults.py)
+          # AVX512-BF16, w4a16-int16 on AVX2 CPUs without AVX-512, w4a16 on the others
+          # (runner/defaults.py)
           "w4a16": ["--dtype", "float32", "--quantization", "w4a16"],
           "w4a16-bf16prefill": ["--dtype", "float32", "--quantization", "w4a16-bf16prefill"],
+          "w4a16-int16": ["--dtype", "float32", "--quantization", "w4a16-int16"],
           "w8a16": ["--dtype", "float32", "--quantization", "w8a16"]}
 ADMIN = "bench-admin"
 

@@ -2,10 +2,11 @@
 builds in one process: the working tree's against a git revision's, on SmolLM2's four projection
 shapes (gate/up, down, q/o, k/v), interleaved, at several row counts; with `--head`, the grouped
 int8 product (`magnitude_int8g_matmul`) on its LM head's shape (576 inputs, 49,152 channels: the
-Q8_0 head w4a16 serves).
+Q8_0 head w4a16 serves); with `--activations int16` (or int8), the int4 product of activations
+rounded to integers (`magnitude_int4q16_matmul`: w4a16-int16's decode rows; int8: w4a8's).
 
     .venv/bin/python bench/int4_product_ab.py --against HEAD [--rows 8,16,32,64,128] [--threads 2]
-        [--head] [--variant TILE_KC=256] [--variant TILE_R=2,TILE_C=5 ...]
+        [--head | --activations fp32|int16|int8] [--variant TILE_KC=256] [--variant TILE_R=2,TILE_C=5 ...]
 
 Each `--variant` adds a build of the working tree with those macros defined (`-DTILE_KC=256`), to
 try the tile sizes lowbit_kernels.c lets a build override. `CC` picks the compiler as for the
@@ -52,7 +53,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variant", action="append", default=[], help="macros for another working-tree build")
     ap.add_argument("--head", action="store_true", help="the grouped int8 LM head's product instead")
+    ap.add_argument("--activations", choices=("fp32", "int16", "int8"), default="fp32",
+                    help="the int4 product's activations: fp32, or rounded to int16 or int8 per group")
     args = ap.parse_args()
+    if args.head and args.activations != "fp32":
+        ap.error("--head multiplies fp32 activations; leave --activations out")
     work = Path(tempfile.mkdtemp(prefix="int4-ab-"))
     new_source = lowbit.SOURCE
     old_source = work / "old.c"
@@ -63,7 +68,8 @@ def main() -> None:
     for i, variant in enumerate(args.variant):
         libs[variant] = build(new_source, [f"-D{d}" for d in variant.split(",")], work / f"v{i}")
     lowbit.SOURCE = new_source
-    print(f"isa {libs['new'].magnitude_lowbit_isa().decode()}, {args.threads} threads, old = {args.against}")
+    print(f"isa {libs['new'].magnitude_lowbit_isa().decode()}, {args.threads} threads, old = {args.against}, "
+          f"{'head' if args.head else args.activations + ' activations'}")
     rng = np.random.default_rng(0)
     shapes = HEAD_SHAPES if args.head else SHAPES
     if args.head:  # int8 codes, one scale per group of 32 inputs
@@ -87,9 +93,11 @@ def main() -> None:
                             libs[name].magnitude_int8g_matmul(xs[k].ctypes.data, m, k, n, codes.ctypes.data,
                                                               scales.ctypes.data, ys[n].ctypes.data, args.threads)
                         else:
-                            libs[name].magnitude_int4_matmul(xs[k].ctypes.data, m, k, n, codes.ctypes.data,
-                                                             scales.ctypes.data, mins.ctypes.data,
-                                                             ys[n].ctypes.data, args.threads)
+                            product = {"fp32": libs[name].magnitude_int4_matmul,
+                                       "int16": libs[name].magnitude_int4q16_matmul,
+                                       "int8": libs[name].magnitude_int4q8_matmul}[args.activations]
+                            product(xs[k].ctypes.data, m, k, n, codes.ctypes.data, scales.ctypes.data,
+                                    mins.ctypes.data, ys[n].ctypes.data, args.threads)
                 times[name].append(time.perf_counter() - t)
         base = statistics.median(times["old"])
         flops = 4 * sum(2 * m * k * n for k, n in shapes)

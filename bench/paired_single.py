@@ -1,8 +1,8 @@
-"""Single-stream ms/token of two or more servers, paired: every server up at once, lone requests
-taken in turns, so a shared host's slow minutes fall on all of them alike.
+"""Single-stream ms/token (or 24-at-once req/s) of two or more servers, paired: every server up at
+once, the trace run on each in turn, so a shared host's slow minutes fall on all of them alike.
 
     .venv/bin/python bench/paired_single.py [--systems llama,magnitude-default] [--rounds 8]
-        [--threads 2] [--llama-server PATH] [--out-dir out/bench-paired-single]
+        [--trace single|mixed] [--threads 2] [--llama-server PATH] [--out-dir out/bench-paired-single]
 
 runner_bench.py starts one server at a time and measures its traces before the next starts; on a
 two-core host whose speed moves by a quarter within minutes, its single-stream ratio moved from
@@ -13,6 +13,11 @@ between output tokens as the client saw it, each server's median, and the median
 each server's time over the first system's in the same round. Each round's prompt is new (its
 request id carries the round), so no server answers from a prompt cache it filled earlier.
 Servers are started as runner_bench.py starts them (same flags, threads and environment).
+
+`--trace mixed` runs runner_bench's mixed trace instead (24 requests at once, prompts 16-400
+tokens, outputs 16-64) on each server in turn: each server's requests finished a second, and the
+median of the rounds' throughput ratios to the first system (higher is faster there). The ids, and
+so the prompts, carry the round here too.
 """
 
 from __future__ import annotations
@@ -44,20 +49,32 @@ def start(system: str, args: argparse.Namespace, gguf: Path, out_dir: Path) -> t
     return proc, f"http://127.0.0.1:{port}"
 
 
-def lone_request(url: str, round_: int, system: str, out_dir: Path) -> float:
-    """One request alone on `url`: its mean gap between output tokens, in ms."""
-    rec = rb.single_trace()[0].model_copy(update={"id": f"single-{round_}"})
+# trace name -> (its records, the figure taken from a run, that figure's unit)
+TRACES = {
+    "single": (rb.single_trace, lambda s: s["itl"]["mean"] * 1000.0, "ms/token"),
+    "mixed": (rb.mixed_trace, lambda s: s["finished"] / s["duration"], "req/s"),
+}
+
+
+def run_trace(url: str, trace_name: str, round_: int, system: str, out_dir: Path) -> float:
+    """The trace alone on `url`, its ids (so its prompts) new for the round: the trace's figure."""
+    records, figure, _ = TRACES[trace_name]
+    recs = [r.model_copy(update={"id": f"{r.id}-{round_}"}) for r in records()]
     trace = out_dir / f"trace-{system}-{round_}.jsonl"
-    write_trace([rec], str(trace))
+    write_trace(recs, str(trace))
     report = out_dir / f"{system}-{round_}.json"
     loadgen.main([str(trace), "--url", url, "--out", str(report), "--timeout", "600"])
-    return json.loads(report.read_text())["summary"]["itl"]["mean"] * 1000.0
+    summary = json.loads(report.read_text())["summary"]
+    if summary["finished"] != len(recs):
+        raise RuntimeError(f"{system}: {summary['finished']} of {len(recs)} requests finished in round {round_}")
+    return figure(summary)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="llama,magnitude-default")
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--trace", choices=sorted(TRACES), default="single")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"))
     p.add_argument("--llama-arg", action="append", default=[], metavar="ARG")
@@ -77,24 +94,25 @@ def main(argv: list[str] | None = None) -> int:
         for system, (proc, url) in servers.items():
             rb.wait_ready(url, proc)
         for system, (_, url) in servers.items():  # one unmeasured request each: first-request effects
-            lone_request(url, -1, system, out_dir)
-        times: dict[str, list[float]] = {s: [] for s in systems}
+            run_trace(url, "single", -1, system, out_dir)
+        unit = TRACES[args.trace][2]
+        figures: dict[str, list[float]] = {s: [] for s in systems}
         for round_ in range(args.rounds):
             order = systems if round_ % 2 == 0 else systems[::-1]
             for system in order:
-                times[system].append(lone_request(servers[system][1], round_, system, out_dir))
-            print(f"round {round_}: " + "  ".join(f"{s} {times[s][-1]:.2f} ms" for s in systems), flush=True)
+                figures[system].append(run_trace(servers[system][1], args.trace, round_, system, out_dir))
+            print(f"round {round_}: " + "  ".join(f"{s} {figures[s][-1]:.3f} {unit}" for s in systems), flush=True)
     finally:
         for proc, _ in servers.values():
             rb.stop_server(proc)
     first = systems[0]
     summary = {}
     for system in systems:
-        ratios = [t / f for t, f in zip(times[system], times[first])]
-        summary[system] = {"ms_per_token": times[system], "median_ms": statistics.median(times[system]),
+        ratios = [t / f for t, f in zip(figures[system], figures[first])]
+        summary[system] = {unit: figures[system], "median": statistics.median(figures[system]),
                            f"median_ratio_to_{first}": statistics.median(ratios),
                            "ratio_range": [min(ratios), max(ratios)]}
-        print(f"{system:24s} median {summary[system]['median_ms']:6.2f} ms/token  paired ratio to {first}: "
+        print(f"{system:24s} median {summary[system]['median']:7.3f} {unit}  paired ratio to {first}: "
               f"median {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})")
     (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": summary}, indent=1))
     return 0
