@@ -225,9 +225,11 @@ def test_the_step_is_raised_for_the_decodes_up_to_reading_pace() -> None:
         [(64, 64, 190.8), (96, 96, 193.0), (64, 64, 158.2), (64, 64, 156.2)]
     for seconds in AVX512_W4A16_TABLES:
         table = TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0), seconds)
-        assert _prefill_step(table, [16, 32, 48, 64, 96, 128, 192, 256], 0) == 16  # prefill alone
         chunk, target_ms, raised = efficient_prefill_step(table, 256)
         assert raised and chunk >= 64 and target_ms <= READING_PACE_ITL_MS
+        # Prefill alone: 16 tokens, or 32 on the first table (its 256-token column runs at 0.85 of
+        # 64's rate, so its line is the one through 16 and 64: 6 ms fixed).
+        assert _prefill_step(table, [16, 32, 48, 64, 96, 128, 192, 256], 0) <= 32 < chunk
     # Reading pace caps the raise: at twice the last table's times only 32 tokens beside 8 decodes
     # fit within it.
     slow = TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0),
@@ -242,6 +244,32 @@ def test_the_step_is_raised_for_the_decodes_up_to_reading_pace() -> None:
     # One sequence at most: the step is judged beside that one decode.
     assert efficient_prefill_step(TableCost((0.0, 1.0, 4.0, 16.0), (0.0, 16.0, 64.0, 256.0),
                                             AVX512_W4A16_TABLES[3]), 1)[1] < 156.2
+
+
+# w4a16-int16 tables from `magnitude serve`'s start-up calibration on one 2-core AMD EPYC (AVX2 only):
+# 2026-12-06 23:48 and 2026-12-07 02:11. Past 64 tokens a step costs more a token (the 256-token
+# chunk runs the lean forward: the AVX2 build's fused bound is 128 chunk rows), 2.5-3.0 ms against
+# 1.4-2.0 ms at 64.
+AVX2_INT16_TABLES = [
+    ((1e-06, 0.0459, 0.1298, 0.7701), (0.0100, 0.0501, 0.1730, 0.7706), (0.0189, 0.0573, 0.1730, 0.9756),
+     (0.0656, 0.1051, 0.1870, 0.9756)),
+    ((1e-06, 0.0397, 0.0872, 0.6492), (0.0090, 0.0459, 0.1332, 0.8450), (0.0185, 0.0541, 0.1531, 0.9723),
+     (0.0600, 0.0906, 0.2068, 0.9723)),
+]
+
+
+def test_columns_past_the_best_rate_do_not_tilt_the_lines() -> None:
+    """Fitted with the 256-token column, both lines put the fixed cost at or under zero and took 16
+    tokens (targets of 73.3 and 66.3 ms); served with the second table's limits (budget 42, chunk 16)
+    the mixed and long traces ran at 0.83 and 0.75 of the best hand-set budget, where budget 64 ran
+    at 0.93 and 1.00 (bench/results/derived_defaults.md, 2026-12-07). Fitted up to the best rate
+    (64 tokens), the step is 64 tokens, within reading pace beside 8 decodes."""
+    derived = [_derive(seconds) for seconds in AVX2_INT16_TABLES]
+    assert [(x.prefill_chunk_size, x.itl_target_ms) for x in derived] == [(64, 177.7), (64, 171.0)]
+    assert all(x.itl_target_ms <= READING_PACE_ITL_MS and x.token_budget >= 64 for x in derived)
+    # A table whose prefill-only rate falls past its first column: no line, the measured rates decide.
+    falling = TableCost((0.0, 1.0), (0.0, 16.0, 64.0, 256.0), ((0.0, 0.02, 0.16, 1.28), (0.01, 0.03, 0.17, 1.29)))
+    assert _prefill_step(falling, [16, 32, 48, 64, 96, 128, 192, 256], 0) == 16
 
 
 # Start-up calibrations on one 2-core Intel Xeon with AMX (2026-12-05), decodes 0/1/4/16: bf16 over

@@ -605,9 +605,21 @@ def _fitted_step_costs(cost: CostModel, candidates: list[int], decodes: int) -> 
     each can be thrown by one cell: least squares by a slow middle cell (a 64-token cell 60% slow
     derived 64 tokens and a 472 ms target where the same machine's other tables derived 16 tokens
     and 111-158 ms), the medians by a flat last column (a 256-token cell no dearer at any batch, on
-    busy cores, pulled them to 192 tokens and 1.4 s)."""
+    busy cores, pulled them to 192 tokens and 1.4 s).
+
+    Only sizes up to the one with the best rate are fitted: past it a step costs more a token, not
+    less (attention grows with the square of a chunk, and a forward may change with its size), so
+    those points say nothing of a fixed cost to spread, and on a line they tilt the slope up and the
+    fixed cost below zero, which reads as "the smallest step is as efficient". On two AVX2 EPYC
+    cores (w4a16-int16) a table of 16, 64 and 256 tokens at 39.7, 87.2 and 649 ms (the 256-token
+    chunk past the fused forward's 128 rows) derived a 16-token chunk and a 66 ms target that way,
+    and those limits served the mixed and long traces at 0.83 and 0.75 of the best hand-set
+    budget, where budget 64 served 0.93 and 1.00 (bench/results/derived_defaults.md, 2026-12-07)."""
     table = measured_model(cost)  # a served model is judged at its table's columns
     sizes = [p for p in table.prefill_tokens if p > 0] if isinstance(table, TableCost) else candidates
+    if sizes:
+        best = max(sizes, key=lambda p: p / max(cost.seconds_for(decodes, p), 1e-9))
+        sizes = [p for p in sizes if p <= best]
     if decodes:
         sizes = [0, *sizes]
     points = [(float(p), cost.seconds_for(decodes, p)) for p in sizes]
@@ -737,7 +749,9 @@ def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, fl
         # derived 192 tokens and a 735.9 ms target again from served steps, and its streams' ITL p50
         # was 0.40 s (bench/results/derived_defaults.md, 2026-12-06).
         chunk = min(chunk, max(_prefill_only_step(table, candidates, columns), max(paced, default=0)))
-    if paced and chunk > max(paced) and _prefill_efficiency(cost, candidates, max(paced)) >= PACED_PREFILL_EFFICIENCY:
+    # What a paced step gives up is judged on the table: a served line's fixed cost may be a slow
+    # phase (above), on which every small step looks dear.
+    if paced and chunk > max(paced) and _prefill_efficiency(table, candidates, max(paced)) >= PACED_PREFILL_EFFICIENCY:
         chunk = max(paced)
     beside_decodes = min(_prefill_step(cost, candidates, d), max(paced, default=chunk))
     raised = beside_decodes > chunk
