@@ -262,14 +262,30 @@ def test_columns_past_the_best_rate_do_not_tilt_the_lines() -> None:
     """Fitted with the 256-token column, both lines put the fixed cost at or under zero and took 16
     tokens (targets of 73.3 and 66.3 ms); served with the second table's limits (budget 42, chunk 16)
     the mixed and long traces ran at 0.83 and 0.75 of the best hand-set budget, where budget 64 ran
-    at 0.93 and 1.00 (bench/results/derived_defaults.md, 2026-12-07). Fitted up to the best rate
-    (64 tokens), the step is 64 tokens, within reading pace beside 8 decodes."""
+    at 0.93 and 1.00 (bench/results/derived_defaults.md, 2026-12-07). Fitted up to the best rate (64
+    tokens) the lines' step is past 64 (96 on the first table, 256 on the second); 64 keeps 0.86 of
+    the first line's rate within reading pace beside 8 decodes, and on the second the measured
+    columns decide: chunk 64, budgets 78 and 92, within reading pace."""
     derived = [_derive(seconds) for seconds in AVX2_INT16_TABLES]
-    assert [(x.prefill_chunk_size, x.itl_target_ms) for x in derived] == [(64, 177.7), (64, 171.0)]
-    assert all(x.itl_target_ms <= READING_PACE_ITL_MS and x.token_budget >= 64 for x in derived)
+    assert [(x.token_budget, x.prefill_chunk_size, x.itl_target_ms) for x in derived] == \
+        [(78, 64, 177.7), (92, 64, 171.0)]
+    assert all(x.itl_target_ms <= READING_PACE_ITL_MS for x in derived)
     # A table whose prefill-only rate falls past its first column: no line, the measured rates decide.
     falling = TableCost((0.0, 1.0), (0.0, 16.0, 64.0, 256.0), ((0.0, 0.02, 0.16, 1.28), (0.01, 0.03, 0.17, 1.29)))
     assert _prefill_step(falling, [16, 32, 48, 64, 96, 128, 192, 256], 0) == 16
+
+
+def test_a_line_ending_at_the_best_rate_does_not_choose_past_it_where_the_rate_falls() -> None:
+    """The lines stop at the best rate, so past it they promise a rate the steps do not keep. The
+    first AVX2 int16 table with its 16-token cell 20% slower (55 ms) puts the line's step at 192
+    tokens, where the table's rate is 0.70 of 64's: a 710 ms target, 3.5x reading pace, if the line
+    decided. The measured columns decide there: 64 tokens. The same at a quarter of the times
+    (a faster machine of the same shape): the step beside the decodes would be raised to 192."""
+    first = AVX2_INT16_TABLES[0]
+    slow_cell = tuple(tuple(0.055 if (i, j) == (0, 1) else t for j, t in enumerate(row)) for i, row in enumerate(first))
+    quarter = tuple(tuple(t / 4 for t in row) for row in first)
+    assert [(x.prefill_chunk_size, x.itl_target_ms) for x in map(_derive, (slow_cell, quarter))] == \
+        [(64, 177.7), (64, 44.5)]
 
 
 # Start-up calibrations on one 2-core Intel Xeon with AMX (2026-12-05), decodes 0/1/4/16: bf16 over

@@ -520,13 +520,14 @@ def derivation_model(cost: CostModel | None) -> CostModel | None:
 # prefill rate (tokens per second) the cost model allows: bigger steps would buy under 10% more
 # throughput with a longer stall for every running stream, smaller ones lose throughput quickly on
 # hardware whose per-step cost is mostly reading the weights (a CPU at low precision, or a GPU at
-# small batches). The rate is judged on straight lines fitted through the prefill-only steps (a
-# fixed cost per step and a cost per token), not cell by cell, and of the least-squares and the
-# Theil-Sen line's choices the smaller step is taken. Where a step costs nearly the same per token
-# at every size (this CPU's w4a16) the intercept is small against the cells' noise, so tables of
-# one machine still differ: one day's three derived 738, 449 and 256 ms, another day's four 158,
-# 111, 120 and 241 ms (least squares alone: 738, 529, 630 and 158, 111, 120, 472;
-# tests/sim/test_cost.py). The target then is what that step costs beside TYPICAL_DECODES
+# small batches). The rate is judged on straight lines fitted through the prefill-only steps up to
+# the one with the best measured rate (a fixed cost per step and a cost per token), not cell by
+# cell, and of the least-squares and the Theil-Sen line's choices the smaller step is taken (where
+# that lies past the best-rate step at a falling rate, the measured steps decide). Where a step
+# costs nearly the same per token at every size (this CPU's w4a16) the intercept is small against
+# the cells' noise, so tables of one machine still differ: one day's three derived 738, 449 and
+# 256 ms, another day's four 158, 111, 120 and 126 ms (least squares alone: 738, 529, 630 and 158,
+# 111, 120, 472; tests/sim/test_cost.py). The target then is what that step costs beside TYPICAL_DECODES
 # decodes: derived, not borrowed.
 #
 # The same share is then asked of the steps streams wait on, a chunk beside TYPICAL_DECODES decodes
@@ -550,12 +551,14 @@ MAX_DERIVED_BUDGET = 65_536
 READING_PACE_ITL_MS = 200.0
 # The share of the prefill-only rate the efficient step gives up for reading pace: where that step
 # beside the decodes is predicted past READING_PACE_ITL_MS, it is lowered to the largest candidate
-# within it if that candidate keeps this share of the line's best rate. On two AVX-512 EPYC cores
-# (w4a16-bf16prefill) a served line of 7.4 ms + 0.943x the table, fitted during the long-prompt
-# trace, made 192 tokens the efficient step and the target 299.6 ms (a chunk at 90% needs 9x the
-# fixed cost's worth of tokens, and 128 keeps 89% on that line); budget 128 served that trace at the same
-# throughput (103.1 against 102.5 tok/s, bench/results/derived_defaults.md, 2026-12-05). (A served
-# line's step is now held within reading pace where the table's own is smaller: efficient_prefill_step.)
+# within it (on a served line that puts none within it, the smallest) if that candidate keeps this
+# share of the best rate on the table's line (since 2026-12-07 also where a served line judges the
+# step: efficient_prefill_step). On two AVX-512 EPYC cores (w4a16-bf16prefill) a served line of
+# 7.4 ms + 0.943x the table, fitted during the long-prompt trace, made 192 tokens the efficient step
+# and the target 299.6 ms (a chunk at 90% needs 9x the fixed cost's worth of tokens, and 128 kept
+# 89% on that line); budget 128 served that trace at the same throughput (103.1 against 102.5
+# tok/s, bench/results/derived_defaults.md, 2026-12-05). (A served line's step is now held within
+# reading pace where the table's own is smaller: efficient_prefill_step.)
 # fp32's small steps keep far less (16 tokens 150 ms, 256 tokens 554 ms), so it keeps its step.
 PACED_PREFILL_EFFICIENCY = 0.8
 # Prefill step sizes compared for the default target (tokens per step).
@@ -596,6 +599,19 @@ def limits_moved(old: SchedulerLimits, new: SchedulerLimits, tolerance: float = 
     return any(abs(b - a) > tolerance * a for a, b in pairs)
 
 
+def _judged_sizes(cost: CostModel, candidates: list[int]) -> list[int]:
+    """The prefill sizes a model's steps are judged at: a table's measured columns (a served model:
+    its table's), other models the candidates."""
+    table = measured_model(cost)
+    return _columns(table) if isinstance(table, TableCost) else list(candidates)
+
+
+def _best_rate_size(cost: CostModel, sizes: Sequence[int], decodes: int) -> int:
+    """The size whose step beside `decodes` decodes has the best rate (_rates; the smaller on a tie)."""
+    rates = _rates(cost, sizes, decodes)
+    return max(sizes, key=lambda p: (rates[p], -p))
+
+
 def _fitted_step_costs(cost: CostModel, candidates: list[int], decodes: int) -> list[tuple[float, float]]:
     """Lines t = a + b p (a: fixed seconds per step, b: seconds per prefill token) through the
     model's times of steps of p prefill tokens beside `decodes` decodes, at a table's measured
@@ -615,10 +631,9 @@ def _fitted_step_costs(cost: CostModel, candidates: list[int], decodes: int) -> 
     chunk past the fused forward's 128 rows) derived a 16-token chunk and a 66 ms target that way,
     and those limits served the mixed and long traces at 0.83 and 0.75 of the best hand-set
     budget, where budget 64 served 0.93 and 1.00 (bench/results/derived_defaults.md, 2026-12-07)."""
-    table = measured_model(cost)  # a served model is judged at its table's columns
-    sizes = [p for p in table.prefill_tokens if p > 0] if isinstance(table, TableCost) else candidates
+    sizes = _judged_sizes(cost, candidates)
     if sizes:
-        best = max(sizes, key=lambda p: p / max(cost.seconds_for(decodes, p), 1e-9))
+        best = _best_rate_size(cost, sizes, decodes)
         sizes = [p for p in sizes if p <= best]
     if decodes:
         sizes = [0, *sizes]
@@ -668,7 +683,7 @@ def _columns(table: TableCost) -> list[int]:
 
 def efficient_step_past_table(table: TableCost) -> bool:
     """Whether a table's prefill columns end before the efficient prefill-only step: on both lines
-    fitted through its prefill-only cells (_fitted_step_costs) a step of its largest column is
+    fitted through its prefill-only cells up to the best rate (_fitted_step_costs) a step of its largest column is
     still short of PREFILL_EFFICIENCY of the line's best rate, and the cells agree: the column
     before the last reaches less than that share of the last one's rate. The default target is
     judged only within the measured columns (efficient_prefill_step), so such a table would pin it
@@ -684,7 +699,9 @@ def efficient_step_past_table(table: TableCost) -> bool:
 
 def _prefill_efficiency(cost: CostModel, candidates: list[int], chunk: int) -> float:
     """A prefill-only step's rate as a share of the best on the fitted lines (the larger of the
-    two lines' shares, as _prefill_step takes the smaller of their steps), else of the candidates'."""
+    two lines' shares, as _prefill_step takes the smaller of their steps), else of the candidates'.
+    A line's best is where its fixed cost vanishes, past the sizes it was fitted through: even the
+    best measured size may keep less than 1 of it."""
     fits = _fitted_step_costs(cost, candidates, 0)
     if fits:
         return max(1.0 if b <= 0 else chunk / (chunk + max(a, 0.0) / b) for a, b in fits)
@@ -699,7 +716,17 @@ def _prefill_step(cost: CostModel, candidates: list[int], decodes: int) -> int:
     if fits:
         # Where the two lines disagree, the smaller step: too big a chunk stalls every running
         # stream for longer, too small a one gives up at most the efficiency margin's throughput.
-        return min(_efficient_on_line(a, b, candidates) for a, b in fits)
+        step = min(_efficient_on_line(a, b, candidates) for a, b in fits)
+        # The lines end at the best rate; past it they promise a rate the steps do not keep. Where
+        # the lines' step lies there at under PREFILL_EFFICIENCY of the best size's rate, the
+        # measured sizes decide (a w4a16-int16 table of this CPU class with its 16-token cell 20%
+        # slower put the lines' step at 192 tokens, 0.70 of 64's rate, and the target at 710 ms).
+        sizes = _judged_sizes(cost, candidates)
+        best = _best_rate_size(cost, sizes, decodes)
+        rates = _rates(cost, [step, best], decodes)
+        if step > best and rates[step] < PREFILL_EFFICIENCY * rates[best]:
+            return _efficient_by_rate(cost, [p for p in sizes if p >= candidates[0]] or candidates, decodes)
+        return step
     return _efficient_by_rate(cost, candidates, decodes)
 
 
@@ -749,10 +776,13 @@ def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, fl
         # derived 192 tokens and a 735.9 ms target again from served steps, and its streams' ITL p50
         # was 0.40 s (bench/results/derived_defaults.md, 2026-12-06).
         chunk = min(chunk, max(_prefill_only_step(table, candidates, columns), max(paced, default=0)))
-    # What a paced step gives up is judged on the table: a served line's fixed cost may be a slow
-    # phase (above), on which every small step looks dear.
-    if paced and chunk > max(paced) and _prefill_efficiency(table, candidates, max(paced)) >= PACED_PREFILL_EFFICIENCY:
-        chunk = max(paced)
+    # The step nearest reading pace: the largest within it; on a served line that puts none within
+    # it (a slow phase, above, up to SERVED_FACTOR_BOUNDS' slowest), the smallest. What that step
+    # gives up is judged on the table: on the served line every small step looks dear.
+    nearest = max(paced) if paced else candidates[0] if cost is not table else None
+    if nearest is not None and chunk > nearest \
+            and _prefill_efficiency(table, candidates, nearest) >= PACED_PREFILL_EFFICIENCY:
+        chunk = nearest
     beside_decodes = min(_prefill_step(cost, candidates, d), max(paced, default=chunk))
     raised = beside_decodes > chunk
     chunk = max(chunk, beside_decodes)
