@@ -18,6 +18,9 @@ Servers are started as runner_bench.py starts them (same flags, threads and envi
 tokens, outputs 16-64) on each server in turn: each server's requests finished a second, and the
 median of the rounds' throughput ratios to the first system (higher is faster there). The ids, and
 so the prompts, carry the round here too.
+
+Each Magnitude server's scheduler limits after the last round (/readyz: derived limits follow the
+steps it served) are printed and kept in summary.json with the figures.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT / "bench")]
@@ -70,6 +75,12 @@ def run_trace(url: str, trace_name: str, round_: int, system: str, out_dir: Path
     return figure(summary)
 
 
+def scheduler_limits(url: str) -> dict | None:
+    """A Magnitude server's scheduler limits now (its /readyz), None for a server without them."""
+    reply = httpx.get(url + "/readyz", timeout=5.0)
+    return reply.json().get("scheduler") if reply.status_code == 200 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="llama,magnitude-default")
@@ -102,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             for system in order:
                 figures[system].append(run_trace(servers[system][1], args.trace, round_, system, out_dir))
             print(f"round {round_}: " + "  ".join(f"{s} {figures[s][-1]:.3f} {unit}" for s in systems), flush=True)
+        limits = {system: scheduler_limits(url) for system, (_, url) in servers.items()}
     finally:
         for proc, _ in servers.values():
             rb.stop_server(proc)
@@ -111,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [t / f for t, f in zip(figures[system], figures[first])]
         summary[system] = {unit: figures[system], "median": statistics.median(figures[system]),
                            f"median_ratio_to_{first}": statistics.median(ratios),
-                           "ratio_range": [min(ratios), max(ratios)]}
+                           "ratio_range": [min(ratios), max(ratios)], "scheduler": limits[system]}
         print(f"{system:24s} median {summary[system]['median']:7.3f} {unit}  paired ratio to {first}: "
-              f"median {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})")
+              f"median {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})"
+              + (f"  limits {limits[system]}" if limits[system] else ""))
     (out_dir / "summary.json").write_text(json.dumps({"args": vars(args), "results": summary}, indent=1))
     return 0
 
