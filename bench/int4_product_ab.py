@@ -72,6 +72,8 @@ def main() -> None:
           f"{'head' if args.head else args.activations + ' activations'}")
     rng = np.random.default_rng(0)
     shapes = HEAD_SHAPES if args.head else SHAPES
+    product = {"fp32": "magnitude_int4_matmul", "int16": "magnitude_int4q16_matmul",
+               "int8": "magnitude_int4q8_matmul"}[args.activations]  # the int4 product timed
     if args.head:  # int8 codes, one scale per group of 32 inputs
         weights = {(k, n): (rng.integers(-127, 128, (n, k), dtype=np.int8), rng.random((n, k // 32), dtype=np.float32),
                             None) for k, n in shapes}
@@ -93,11 +95,9 @@ def main() -> None:
                             libs[name].magnitude_int8g_matmul(xs[k].ctypes.data, m, k, n, codes.ctypes.data,
                                                               scales.ctypes.data, ys[n].ctypes.data, args.threads)
                         else:
-                            product = {"fp32": libs[name].magnitude_int4_matmul,
-                                       "int16": libs[name].magnitude_int4q16_matmul,
-                                       "int8": libs[name].magnitude_int4q8_matmul}[args.activations]
-                            product(xs[k].ctypes.data, m, k, n, codes.ctypes.data, scales.ctypes.data,
-                                    mins.ctypes.data, ys[n].ctypes.data, args.threads)
+                            getattr(libs[name], product)(xs[k].ctypes.data, m, k, n, codes.ctypes.data,
+                                                         scales.ctypes.data, mins.ctypes.data,
+                                                         ys[n].ctypes.data, args.threads)
                 times[name].append(time.perf_counter() - t)
         base = statistics.median(times["old"])
         flops = 4 * sum(2 * m * k * n for k, n in shapes)
