@@ -18,6 +18,10 @@ the same cells through transformers' forward, the runner's lean forward (runner/
 and, for a w4a16 model on Magnitude's kernels, the fused decode step (runner/fused_decode.py),
 interleaved.
 
+`--compare-head` loads one runner (--dtype, --quantization with an int8 group LM head: w4a16, w4a8,
+w4a16-int16 on Magnitude's kernels) and runs the same cells with the head's rows in fp32 and in
+int16 (`Int8GroupLinear.activations`; w4a16-int16's head takes int16), interleaved.
+
 `--memory` loads the runner (--dtype, --quantization) and prints where its resident memory is:
 live tensor bytes by kind (distinct storages) against the process's anonymous and file-backed RSS.
 
@@ -59,7 +63,7 @@ except ImportError:
 from magnitude.engine.output import ScheduledSeq  # noqa: E402
 from magnitude.runner.fused_decode import fused_decoder  # noqa: E402
 from magnitude.runner.paged_decoder import _rms_norm, lean_family, lean_forward, paged_decoder, transformers_decoder  # noqa: E402
-from magnitude.runner.quantize import Int4FusedMember  # noqa: E402
+from magnitude.runner.quantize import Int4FusedMember, Int8GroupLinear  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -187,6 +191,25 @@ def compare(variants: list[str], batches: list[int], contexts: list[int], steps:
     _interleaved({v: r.execute for v, r in runners.items()}, batches, contexts, steps, prefills)
 
 
+def compare_head(dtype: str | None, quantization: str | None, batches: list[int], contexts: list[int], steps: int,
+                 threads: int | None, prefills: list[tuple[int, int, int]]) -> None:
+    """One runner, its steps with the int8 group LM head's rows in fp32 and in int16, interleaved."""
+    runner = ModelRunner(dtype=dtype, quantization=quantization, num_threads=threads, evaluate_quantization=False,
+                         num_blocks=_pool_blocks(batches, contexts, prefills))
+    head = runner.model.lm_head
+    if not isinstance(head, Int8GroupLinear):
+        raise SystemExit(f"--compare-head needs an int8 group LM head (w4a16, w4a8, w4a16-int16 on Magnitude's "
+                         f"kernels); this runner's is {type(head).__name__}")
+
+    def with_head(activations: str):
+        def run(plan):
+            head.activations = activations
+            return runner.execute(plan)
+        return run
+
+    _interleaved({"head fp32": with_head("fp32"), "head int16": with_head("int16")}, batches, contexts, steps, prefills)
+
+
 def compare_decoders(dtype: str | None, quantization: str | None, batches: list[int], contexts: list[int], steps: int,
                      threads: int | None, prefills: list[tuple[int, int, int]], kv_dtype: str = "auto") -> None:
     """One runner (its KV pool in `kv_dtype`), its steps through transformers' forward, the lean
@@ -301,6 +324,8 @@ def main() -> int:
                    help="interleaved decode steps of several variants (see above)")
     p.add_argument("--compare-decoders", action="store_true",
                    help="one runner (--dtype, --quantization): transformers' forward against the lean one, interleaved")
+    p.add_argument("--compare-head", action="store_true",
+                   help="one runner (--dtype, --quantization): its int8 LM head's rows in fp32 against int16, interleaved")
     p.add_argument("--memory", action="store_true", help="where the loaded runner's resident memory is")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16"),
                    help="--compare-decoders: the KV pool's dtype (kvCache.dtype)")
@@ -315,6 +340,10 @@ def main() -> int:
         compare_decoders(args.dtype, args.quantization, [int(b) for b in args.batches.split(",")],
                          [int(c) for c in args.contexts.split(",")], args.steps, args.threads,
                          _prefill_cells(args.prefills), args.kv_dtype)
+        return 0
+    if args.compare_head:
+        compare_head(args.dtype, args.quantization, [int(b) for b in args.batches.split(",")],
+                     [int(c) for c in args.contexts.split(",")], args.steps, args.threads, _prefill_cells(args.prefills))
         return 0
     if args.compare:
         compare(args.compare.split(","), [int(b) for b in args.batches.split(",")],

@@ -1,6 +1,6 @@
 """w4a16-int16 through the runner: the fused decode step against the lean forward, prompt rows taken
-exactly as w4a16 takes them, decode rows as the int16 products, the refusal where Magnitude's
-kernels are not in use, and the real model's step. The kernels' own figures are in test_lowbit.py."""
+exactly as w4a16 takes them, decode rows as the int16 products, the LM head's rows in int16, the
+refusal where Magnitude's kernels are not in use, and the real model's step. The kernels' own figures are in test_lowbit.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +17,7 @@ from .test_fused_decode import (DECODES, TINY_TOLERANCE, _both, _close_caches,  
                                 _marked_mixed_step, _native_or_skip, _rel, _tiny,
                                 runner_w4a16)  # noqa: F401 (fixture)
 from .test_paged_decoder import _runner  # noqa: E402
-from .tiny_models import build_tiny_model  # noqa: E402
+from .tiny_models import build_tiny_model, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -90,6 +90,35 @@ def test_the_runner_marks_prompt_rows_for_w4a16_int16(tmp_path, monkeypatch):
     assert len(marked) == 1 and marked[0].tolist() == [0] + [1] * 7
     runner.execute(_plan(2, 0, 5, runner.block_size, 1))  # two decodes
     assert len(marked) == 1
+
+
+def test_the_lm_head_multiplies_int16_rows_under_w4a16_int16(tmp_path):
+    """w4a16-int16's LM head is w4a16's int8 head (the same codes) taking its rows in int16; a step's
+    logits are that product of its hidden rows, whatever the step's rows are (a decode's, a prompt's
+    last), while w4a16's head stays fp32."""
+    from magnitude.runner.calibration import _plan
+    from magnitude.runner.quantize import Int8GroupLinear
+
+    _native_or_skip()
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
+    path = build_tiny_model("llama", tmp_path / "tied", config=config)
+    runner, w4a16 = _runner(path, quantization="w4a16-int16"), _runner(path, quantization="w4a16")
+    head = runner.model.lm_head
+    assert type(head) is Int8GroupLinear and head.activations == "int16"
+    assert w4a16.model.lm_head.activations == "fp32" and torch.equal(head.qweight, w4a16.model.lm_head.qweight)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hook = head.register_forward_hook(lambda _m, args, out: seen.append((args[0].detach().clone(), out.detach().clone())))
+    try:
+        runner.execute(_plan(1, 7, 5, runner.block_size, 0))  # a decode beside a 7-token prompt
+    finally:
+        hook.remove()
+    (rows, logits), = seen
+    flat = rows.reshape(-1, rows.shape[-1]).float().contiguous()
+    assert flat.shape[0] >= 2
+    assert torch.equal(logits.reshape(flat.shape[0], -1),
+                       lowbit.kernels().int8gq16_matmul(flat, head.qweight, head.scales))
+    assert not torch.equal(head(flat), w4a16.model.lm_head(flat))
 
 
 def test_w4a16_int16_is_refused_by_name_where_the_kernels_are_not_in_use(tmp_path, monkeypatch):

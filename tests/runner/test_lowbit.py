@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,14 @@ def test_q8_0_blocks_come_back_exactly_as_head_and_embedding(native):
     assert embed.codes.data_ptr() == head.qweight.data_ptr() and embed.scales.data_ptr() == head.scales.data_ptr()
     half = Int8GroupEmbedding(head, dtype=torch.bfloat16)  # a bf16 model's rows stay bf16
     assert half(ids).dtype == torch.bfloat16 and torch.equal(half(ids), w[ids].bfloat16())
+    # w4a16-int16's head: the same codes, its rows rounded to int16 (any other activations: refused)
+    head16 = Int8GroupLinear(lin, native, activations="int16")
+    assert torch.equal(head16.qweight, codes) and "A in int16 (magnitude-" in repr(head16)
+    assert torch.equal(head16(x), native.int8gq16_matmul(x, codes, scales))
+    assert rel(head16(x), q8_rounded(x, lowbit.q16_activations) @ w.double().t()) < 2e-6
+    assert 5e-6 < rel(head16(x), x.double() @ w.double().t()) < 1e-4
+    with pytest.raises(QuantizationError, match="fp32 or int16 activations, not 'int8'"):
+        Int8GroupLinear(lin, native, activations="int8")
     # Off the grid the codes are Q8_0's quantizer's: within half a step of every weight.
     lin.weight.data.normal_()
     rough = Int8GroupLinear(lin, native)
@@ -181,49 +190,61 @@ INTEGER_ACTIVATIONS = {
     "int4q8_matmul": (lowbit.q8_activations, 1e-4, 1.0),
     # w4a16-int16's decode rows: d = max|x| / 32767; 1.6e-5 to 2.4e-5 away here (AVX2), not int8's 1e-2
     "int4q16_matmul": (lowbit.q16_activations, 5e-6, 1e-4),
+    # w4a16-int16's LM head: int16 activations times Q8_0's int8 codes (their own groups of 32)
+    "int8gq16_matmul": (lowbit.q16_activations, 5e-6, 1e-4),
 }
+
+
+def integer_product(kernel: lowbit.LowbitKernels, product: str, n: int, k: int,
+                    seed: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    """(x -> the kernel's `product` of x with random weights, those weights [K, N] in fp64): int4
+    codes for the int4 products, Q8_0 blocks for the int8g one."""
+    if product.startswith("int8g"):
+        codes, scales = q8_0_weights(n, k, seed)
+        return (lambda x: getattr(kernel, product)(x, codes, scales)), dequantized_int8g(codes, scales).double().t()
+    codes, packed, scales, mins = int4_weights(n, k, seed)
+    return (lambda x: getattr(kernel, product)(x, packed, scales, mins)), dequantized_int4(codes, scales, mins).t()
 
 
 @pytest.mark.parametrize("product", sorted(INTEGER_ACTIVATIONS))
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17])
 @pytest.mark.parametrize("k,n", [(32, 7), (96, 37), (576, 101)])
 def test_integer_activation_products_are_the_products_of_the_rounded_activations(kernel, product, m, k, n):
-    """w4a8 and w4a16-int16: the kernel multiplies x rounded per group of 32 (d = max|x| / 127 or
-    / 32767), exactly the rounding `q8_activations` / `q16_activations` computes, with integer sums:
-    within fp32's summation order of that product (measured under 4e-7; any code rounding one
-    value otherwise would be ~1e-3 off for int8, ~1e-5 for int16). And it does round, by its own
-    step: the fp32 product is between the bounds INTEGER_ACTIVATIONS gives."""
+    """w4a8 and w4a16-int16 (its int4 products and its int8 LM head): the kernel multiplies x
+    rounded per group of 32 (d = max|x| / 127 or / 32767), exactly the rounding `q8_activations` /
+    `q16_activations` computes, with integer sums: within fp32's summation order of that product
+    (measured under 4e-7; any code rounding one value otherwise would be ~1e-3 off for int8, ~1e-5
+    for int16). And it does round, by its own step: the fp32 product is between the bounds
+    INTEGER_ACTIVATIONS gives."""
     activations, lowest, highest = INTEGER_ACTIVATIONS[product]
-    codes, packed, scales, mins = int4_weights(n, k, seed=m * 1000 + k + n)
+    multiply, w = integer_product(kernel, product, n, k, seed=m * 1000 + k + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
     if k > 32:
         x[0, :32] = 0  # an all-zero group: d = 0
         x[-1, 32:64] = 1e-38 * torch.rand(32, generator=torch.Generator().manual_seed(k))  # d below FLT_MIN: zero
-    got = getattr(kernel, product)(x, packed, scales, mins)
-    w = dequantized_int4(codes, scales, mins).t()
+    got = multiply(x)
     assert got.dtype == torch.float32 and got.shape == (m, n)
     assert rel(got, q8_rounded(x, activations) @ w) < 2e-6, rel(got, q8_rounded(x, activations) @ w)
     assert lowest < rel(got, x.double() @ w) < highest
 
 
-@pytest.mark.parametrize("product", ["int4q8_matmul", "int4q16_matmul"])
+@pytest.mark.parametrize("product", sorted(INTEGER_ACTIVATIONS))
 def test_integer_products_carry_a_non_finite_activation_into_its_rows_outputs(kernel, product):
     """A NaN or an infinity in a row makes that row's outputs NaN, as the fp32 product's would be,
     and leaves the other rows alone (it is not rounded into a finite integer); a vanishing group
-    is zero. Both integer activations (w4a8's int8, w4a16-int16's int16)."""
-    multiply = getattr(kernel, product)
-    codes, packed, scales, mins = int4_weights(24, 96, seed=1)
+    is zero. Every integer activation product (w4a8's int8, w4a16-int16's int16 and its head's)."""
+    multiply, _w = integer_product(kernel, product, 24, 96, seed=1)
     x = torch.randn(3, 96)
     x[0, 40] = float("nan")
     x[2, 5] = float("inf")
-    got = multiply(x, packed, scales, mins)
+    got = multiply(x)
     assert torch.isnan(got[0]).all() and torch.isnan(got[2]).all()
     assert torch.isfinite(got[1]).all()
-    assert torch.equal(got[1], multiply(x[1:2].contiguous(), packed, scales, mins)[0])
+    assert torch.equal(got[1], multiply(x[1:2].contiguous())[0])
     # A group so small that 1 / d would overflow (d < FLT_MIN) counts as zero, not as garbage.
     tiny = torch.zeros(1, 96)
     tiny[0, :32] = 1e-38
-    assert torch.equal(multiply(tiny, packed, scales, mins), torch.zeros(1, 24))
+    assert torch.equal(multiply(tiny), torch.zeros(1, 24))
 
 
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
@@ -240,6 +261,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
     batched8 = kernel.int8_matmul(x, q8, s8)
     g8, gs = q8_0_weights(200, 576, seed=4)
     batched8g = kernel.int8g_matmul(x, g8, gs)
+    batched8gq16 = kernel.int8gq16_matmul(x, g8, gs)
     for r in range(x.shape[0]):
         row = x[r : r + 1].contiguous()
         assert torch.equal(kernel.int4_matmul(row, packed, scales, mins)[0], batched4[r])
@@ -247,6 +269,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
         assert torch.equal(kernel.int4q16_matmul(row, packed, scales, mins)[0], batched4q16[r])
         assert torch.equal(kernel.int8_matmul(row, q8, s8)[0], batched8[r])
         assert torch.equal(kernel.int8g_matmul(row, g8, gs)[0], batched8g[r])
+        assert torch.equal(kernel.int8gq16_matmul(row, g8, gs)[0], batched8gq16[r])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -255,6 +278,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
         assert torch.equal(kernel.int4q16_matmul(x, packed, scales, mins), batched4q16)
         assert torch.equal(kernel.int8_matmul(x, q8, s8), batched8)
         assert torch.equal(kernel.int8g_matmul(x, g8, gs), batched8g)
+        assert torch.equal(kernel.int8gq16_matmul(x, g8, gs), batched8gq16)
     finally:
         torch.set_num_threads(threads)
 

@@ -150,13 +150,29 @@ class LowbitKernels:
         """x [M, K] fp32 @ W^T -> [M, N] fp32; W as codes [N, K] int8 times scales [N, K/32] fp32,
         one per group of 32 inputs (GGUF Q8_0's blocks)."""
         m, k = x.shape
-        if k % K_MULTIPLE or codes.shape[1] != k or scales.shape[-1] * K_MULTIPLE != k:
-            raise ValueError(f"int8g product: x has {k} columns, the weights {codes.shape[1]} and "
-                             f"{scales.shape[-1]} scales a row (a multiple of 32, one scale per 32)")
+        self._int8g_shapes(x, codes, scales)
         y = torch.empty(m, codes.shape[0], dtype=torch.float32)
         self.lib.magnitude_int8g_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
                                         y.data_ptr(), torch.get_num_threads())
         return y
+
+    def int8gq16_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """As `int8g_matmul`, with x's rows first quantized to int16 per group of 32 inputs
+        (`q16_activations`) and integer dot products: w4a16-int16's LM head."""
+        m, k = x.shape
+        self._int8g_shapes(x, codes, scales)
+        y = torch.empty(m, codes.shape[0], dtype=torch.float32)
+        if self.lib.magnitude_int8gq16_matmul(x.data_ptr(), m, k, codes.shape[0], codes.data_ptr(), scales.data_ptr(),
+                                              y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"int8g x int16 product: no memory for {m} x {k} int16 activations")
+        return y
+
+    @staticmethod
+    def _int8g_shapes(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        k = x.shape[1]
+        if k % K_MULTIPLE or codes.shape[1] != k or scales.shape[-1] * K_MULTIPLE != k:
+            raise ValueError(f"int8g product: x has {k} columns, the weights {codes.shape[1]} and "
+                             f"{scales.shape[-1]} scales a row (a multiple of 32, one scale per 32)")
 
     def to_float16(self, x: torch.Tensor) -> torch.Tensor:
         """x (fp32, contiguous) rounded to float16 as the fused step stores K/V in a float16 pool."""
@@ -225,6 +241,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.magnitude_int8_matmul.restype = None
     lib.magnitude_int8g_matmul.argtypes = [p, i64, i64, i64, p, p, p, i32]
     lib.magnitude_int8g_matmul.restype = None
+    lib.magnitude_int8gq16_matmul.argtypes = [p, i64, i64, i64, p, p, p, i32]
+    lib.magnitude_int8gq16_matmul.restype = ctypes.c_int
     # (dims, layers, n_layers, h, m, positions, tables, cos, sin, final_norm, final_eps, threads):
     # runner/fused_decode.py
     lib.magnitude_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, ctypes.c_float, i32]

@@ -21,7 +21,9 @@
   to int16 per group of 32 (d = max|x| / 32767, an error 1/256 of w4a8's) and multiply with integer
   dot products (`pmaddwd`), which at one or two rows take about half the instructions of converting
   every weight to fp32; the rows of a prompt chunk are multiplied exactly as w4a16 multiplies them
-  (chunks are arithmetic-bound, where fp32's register tiles are faster). Magnitude's kernels only.
+  (chunks are arithmetic-bound, where fp32's register tiles are faster). The LM head takes every
+  row it multiplies in int16 (its int8 codes need only widening, so it gains at every batch).
+  Magnitude's kernels only.
 - `w4a16-bf16prefill`: w4a16's weights, LM head and embeddings; a decode's products exactly as
   w4a16's, while the rows of a prompt chunk (a step's sequence with more than one token) are rounded
   to bf16 and multiplied by the weights rounded to bf16 with AVX512-BF16 dot products, fp32 sums
@@ -343,12 +345,19 @@ class Int8GroupLinear(nn.Module):
     weights that are the de-quantization of Q8_0 blocks (the bundled GGUF's LM head, tied to its
     token embeddings) every weight is exact and the product is the fp32 model's up to summation
     order. w4a16's and w4a8's LM head where the kernels are built (else `WeightOnlyInt8Linear`).
+    `activations="int16"` (w4a16-int16's head): every row it multiplies rounded to int16 per group
+    of 32 inputs (`lowbit.q16_activations`) and integer dot products, at any number of rows, so a
+    row's logits do not depend on its batch (lowbit_kernels.c has the speeds).
 
     `grid_error`: the largest |W - codes * scale| relative to the group's scale (~0 on Q8_0 blocks,
     up to 0.5 otherwise)."""
 
-    def __init__(self, linear: nn.Linear, kernel: "lowbit.LowbitKernels", group: int = INT4_GROUP) -> None:
+    def __init__(self, linear: nn.Linear, kernel: "lowbit.LowbitKernels", group: int = INT4_GROUP,
+                 activations: str = "fp32") -> None:
         super().__init__()
+        if activations not in ("fp32", "int16"):
+            raise QuantizationError(f"an int8 group LM head multiplies fp32 or int16 activations, not {activations!r}")
+        self.activations = activations
         w = linear.weight.detach()
         n, k = w.shape
         if k % group:
@@ -364,12 +373,12 @@ class Int8GroupLinear(nn.Module):
         self.out_features = n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _native_output(self.kernel.int8g_matmul(_fp32_rows(x, self.in_features), self.qweight, self.scales),
-                              x, self.bias)
+        product = self.kernel.int8gq16_matmul if self.activations == "int16" else self.kernel.int8g_matmul
+        return _native_output(product(_fp32_rows(x, self.in_features), self.qweight, self.scales), x, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 W (groups of 32, a "
-                f"scale each), A in fp32 ({self.kernel.name})")
+                f"scale each), A in {self.activations} ({self.kernel.name})")
 
 
 class Int8GroupEmbedding(nn.Module):
@@ -684,7 +693,7 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
             if id(child) in fused:
                 continue
             if parent is model and name == "lm_head":
-                _replace_head(model, child, replace)
+                _replace_head(model, child, replace, activations)
             else:
                 replace(parent, name, Int4WeightOnlyLinear(child, activations=activations), child)
         return len(targets)
@@ -694,17 +703,18 @@ def _replace_linears(model: nn.Module, method: str, device: torch.device, calibr
     return len(targets)
 
 
-def _replace_head(model: nn.Module, head: nn.Linear, replace: Callable) -> None:
-    """w4a16's and w4a8's LM head stays 8-bit: GGUFs keep it (tied to the embeddings) above 4 bits
+def _replace_head(model: nn.Module, head: nn.Linear, replace: Callable, activations: str = "fp32") -> None:
+    """The int4 methods' LM head stays 8-bit: GGUFs keep it (tied to the embeddings) above 4 bits
     (Q8_0 in the bundled one), and in 4 bits SmolLM2's top-1 agreement with fp32 fell to 0.78. With
     Magnitude's kernels, int8 per group of 32 (`Int8GroupLinear`, exact on Q8_0 blocks) and tied
-    embeddings read from the same codes; else per output channel for torch's kernel."""
+    embeddings read from the same codes; else per output channel for torch's kernel. Its
+    activations are fp32, or int16 under w4a16-int16 (`activations` "int16")."""
     kernel = lowbit.kernels()
     if kernel is None:
         replace(model, "lm_head", WeightOnlyInt8Linear(head, torch.bfloat16), head)
         return
     embed = _tied_embedding(model, head)
-    quantized = Int8GroupLinear(head, kernel)
+    quantized = Int8GroupLinear(head, kernel, activations="int16" if activations == "int16" else "fp32")
     replace(model, "lm_head", quantized, head)
     if embed is not None:  # its weight's pages went with the head's
         model.model.embed_tokens = Int8GroupEmbedding(quantized, embed.padding_idx, embed.weight.dtype)
