@@ -3,10 +3,12 @@ builds in one process: the working tree's against a git revision's, on SmolLM2's
 shapes (gate/up, down, q/o, k/v), interleaved, at several row counts; with `--head`, the grouped
 int8 product (`magnitude_int8g_matmul`) on its LM head's shape (576 inputs, 49,152 channels: the
 Q8_0 head w4a16 serves); with `--activations int16` (or int8), the int4 product of activations
-rounded to integers (`magnitude_int4q16_matmul`: w4a16-int16's decode rows; int8: w4a8's).
+rounded to integers (`magnitude_int4q16_matmul`: w4a16-int16's decode rows; int8: w4a8's), and with
+`--head --activations int16` the head's product of int16 rows (`magnitude_int8gq16_matmul`:
+w4a16-int16's head; a revision before it has none).
 
     .venv/bin/python bench/int4_product_ab.py --against HEAD [--rows 8,16,32,64,128] [--threads 2]
-        [--head | --activations fp32|int16|int8] [--variant TILE_KC=256] [--variant TILE_R=2,TILE_C=5 ...]
+        [--head] [--activations fp32|int16|int8] [--variant TILE_KC=256] [--variant TILE_R=2,TILE_C=5 ...]
 
 Each `--variant` adds a build of the working tree with those macros defined (`-DTILE_KC=256`), to
 try the tile sizes lowbit_kernels.c lets a build override. `CC` picks the compiler as for the
@@ -56,8 +58,8 @@ def main() -> None:
     ap.add_argument("--activations", choices=("fp32", "int16", "int8"), default="fp32",
                     help="the int4 product's activations: fp32, or rounded to int16 or int8 per group")
     args = ap.parse_args()
-    if args.head and args.activations != "fp32":
-        ap.error("--head multiplies fp32 activations; leave --activations out")
+    if args.head and args.activations == "int8":
+        ap.error("--head multiplies fp32 or int16 activations (w4a16-int16's head), not int8")
     work = Path(tempfile.mkdtemp(prefix="int4-ab-"))
     new_source = lowbit.SOURCE
     old_source = work / "old.c"
@@ -69,11 +71,12 @@ def main() -> None:
         libs[variant] = build(new_source, [f"-D{d}" for d in variant.split(",")], work / f"v{i}")
     lowbit.SOURCE = new_source
     print(f"isa {libs['new'].magnitude_lowbit_isa().decode()}, {args.threads} threads, old = {args.against}, "
-          f"{'head' if args.head else args.activations + ' activations'}")
+          f"{'head, ' if args.head else ''}{args.activations} activations")
     rng = np.random.default_rng(0)
     shapes = HEAD_SHAPES if args.head else SHAPES
     product = {"fp32": "magnitude_int4_matmul", "int16": "magnitude_int4q16_matmul",
                "int8": "magnitude_int4q8_matmul"}[args.activations]  # the int4 product timed
+    head_product = {"fp32": "magnitude_int8g_matmul", "int16": "magnitude_int8gq16_matmul"}.get(args.activations)
     if args.head:  # int8 codes, one scale per group of 32 inputs
         weights = {(k, n): (rng.integers(-127, 128, (n, k), dtype=np.int8), rng.random((n, k // 32), dtype=np.float32),
                             None) for k, n in shapes}
@@ -92,7 +95,7 @@ def main() -> None:
                     for k, n in shapes:
                         codes, scales, mins = weights[k, n]
                         if args.head:
-                            libs[name].magnitude_int8g_matmul(xs[k].ctypes.data, m, k, n, codes.ctypes.data,
+                            getattr(libs[name], head_product)(xs[k].ctypes.data, m, k, n, codes.ctypes.data,
                                                               scales.ctypes.data, ys[n].ctypes.data, args.threads)
                         else:
                             getattr(libs[name], product)(xs[k].ctypes.data, m, k, n, codes.ctypes.data,

@@ -27,7 +27,7 @@ Systems (started one at a time on 127.0.0.1, killed after their traces):
 - magnitude-w4a8: the w4a16 weights times int8-rounded activations (`--quantization w4a8`, what
   llama-server computes for this GGUF), scheduler settings derived as for magnitude-default;
 - magnitude-w4a16-int16: the w4a16 weights with decode rows' activations rounded to int16 and
-  integer dot products, prompt chunks as w4a16 (`--quantization w4a16-int16`), settings derived;
+  integer dot products (the LM head's rows too), prompt chunks as w4a16 (`--quantization w4a16-int16`), settings derived;
 - hf: bench/hf_static_server.py, stock `generate` on padded groups of 8 (static batching), fp32;
 - hf-int8: the same on the int8 weights Magnitude's `--quantization int8` serves;
 - llama: llama.cpp's own `llama-server`, 8 parallel slots, continuous batching, the same GGUF.
@@ -161,7 +161,7 @@ MAGNITUDE_VARIANTS: dict[str, tuple[list[str], int | None]] = {
     # SmolLM2 (docs/runner.md), so this run allows one; scheduler settings derived as the default's
     "magnitude-w4a8": (["--dtype", "float32", "--quantization", "w4a8",
                         "--set", "quantizationEvaluation.minProbesPassed=3"], None),
-    # decodes in int16 activations (integer dot products), prompt chunks as w4a16; its record passes
+    # decodes and the LM head in int16 activations (integer dot products), prompt chunks as w4a16; its record passes
     "magnitude-w4a16-int16": (["--dtype", "float32", "--quantization", "w4a16-int16"], None),
 }
 

@@ -118,7 +118,9 @@ def test_the_lm_head_multiplies_int16_rows_under_w4a16_int16(tmp_path):
     assert flat.shape[0] >= 2
     assert torch.equal(logits.reshape(flat.shape[0], -1),
                        lowbit.kernels().int8gq16_matmul(flat, head.qweight, head.scales))
-    assert not torch.equal(head(flat), w4a16.model.lm_head(flat))
+    rounding = _rel(head(flat), w4a16.model.lm_head(flat))  # int16's step, not summation order's 1e-7
+    print(f"\nint16 head vs fp32 head: {rounding:.1e} on {kernel_description('w4a16-int16')}")
+    assert 5e-6 < rounding < 1e-3
 
 
 def test_w4a16_int16_is_refused_by_name_where_the_kernels_are_not_in_use(tmp_path, monkeypatch):

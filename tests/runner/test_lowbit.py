@@ -284,6 +284,25 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(kernel):
 
 
 
+@pytest.mark.parametrize("product", sorted(INTEGER_ACTIVATIONS))
+def test_integer_products_over_many_channels_keep_a_rows_bits(kernel, product):
+    """Past 8 rows the integer passes take the channels in blocks of 256 (lowbit_kernels.c,
+    QA_BLOCK_CHANNELS), every pass over one block before the next; 523 channels split between two
+    threads leave blocks and 4-channel groups with tails. A row's bits are still its bits alone,
+    with one thread or two."""
+    multiply, _w = integer_product(kernel, product, 523, 96, seed=9)
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(10))
+    batched = multiply(x)
+    for r in range(x.shape[0]):
+        assert torch.equal(multiply(x[r : r + 1].contiguous())[0], batched[r]), r
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(multiply(x), batched)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("m", [3, 6, 8, 16, 23, 70])
 def test_many_rows_take_the_blocked_products_with_the_lone_rows_bits(kernel, m):
     """Where the passes of 8, 4, 2 and 1 rows would take more than one pass (3, 5-7, 9 or more rows:

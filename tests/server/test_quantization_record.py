@@ -135,7 +135,7 @@ def test_w4a8_is_served_end_to_end_with_its_own_record(cache: Path, cost_model_f
 
 def test_w4a16_int16_is_served_end_to_end_and_passes_its_record(cache: Path, cost_model_file: Path,
                                                                   tmp_path: Path) -> None:
-    """w4a16-int16 (decodes in int16 activations, prompt chunks as w4a16) through `magnitude serve`
+    """w4a16-int16 (decodes and the LM head in int16 activations, prompt chunks' decoder products as w4a16) through `magnitude serve`
     and the openai client with the default thresholds, enforced: its record passes every probe the
     reference passes (top-1 1.000, mean KL 4e-7 on SmolLM2, AVX2), and a chat answers greedily as
     w4a16 and fp32 do."""

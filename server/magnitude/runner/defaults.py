@@ -9,11 +9,12 @@ report (issue 17 owns this rule; docs/runner.md "Default weights per CPU" has th
   prefill steps of 64 tokens 2.3x as fast as w4a16's, for a record of top-1 0.992 and mean KL 1e-4
   against fp32 (2-core AVX-512 BF16 EPYC, docs/runner.md). Its record failing, w4a16.
 - An AVX2 CPU without AVX-512 serving such a GGUF: fp32 with w4a16-int16 linears, where Magnitude's
-  kernels are built: w4a16's codes and prompt chunks, decode rows' activations rounded to int16
-  with integer dot products: a lone decode step 0.69-0.76x w4a16's time, 8 decodes 0.95-0.96x, 24
-  1.13x (prompt chunks the same), one stream served at 0.93-0.97x llama-server's time a token, for
-  a record of top-1 1.000 and mean KL 4e-7 (2-core AVX2 EPYC, docs/runner.md). Its record failing,
-  w4a16.
+  kernels are built: w4a16's codes and prompt chunks' decoder products, decode rows' activations
+  (and the LM head's rows) rounded to int16 with integer dot products: with the head still fp32, a
+  lone decode step 0.69-0.76x w4a16's time, 8 decodes 0.95-0.96x, 24 1.13x (prompt chunks the
+  same); the int16 head took another 0.91-0.98x of 1-8-decode steps. One stream served at
+  0.82-1.04x llama-server's time a token, for a record of top-1 1.000 and mean KL 5e-7 (2-core AVX2
+  EPYC, docs/runner.md). Its record failing, w4a16.
 - Any other CPU serving such a GGUF: fp32 with w4a16 linears. Their codes are the file's exactly
   (runner/quantize.py), so the weights lose nothing, and a decode step reads about 6x fewer weight
   bytes than in fp32. bf16 weights would prefill faster but decode 3.7-6.2x slower (batch 1 to 8),
@@ -107,8 +108,9 @@ def choose_weights(dtype: str | None, quantization: str | None, device_type: str
     if q4_1_source and INT16_PRODUCT_FLAG in flags and "avx512f" not in flags and int16_kernels is not False:
         return WeightsChoice("float32", "w4a16-int16", "default",
                              f"CPU with {INT16_PRODUCT_FLAG} (no AVX-512), Q4_1 checkpoint: w4a16's exact 4-bit codes "
-                             "and prompt chunks, decodes' activations rounded to int16 with integer dot products "
-                             "(a lone decode step 0.69-0.76x w4a16's time); gated by the evaluation record")
+                             "and prompt chunks, decodes' activations and the LM head's rows rounded to int16 with "
+                             "integer dot products (a lone decode step 0.69-0.76x w4a16's time); gated by the "
+                             "evaluation record")
     if q4_1_source:
         return WeightsChoice("float32", "w4a16", "default",
                              "CPU, Q4_1 checkpoint: w4a16 keeps its 4-bit codes exactly and reads ~6x fewer "

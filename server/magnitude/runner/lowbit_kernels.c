@@ -20,7 +20,8 @@
    fp32 conversion of the weights, so a step reads them at near memory speed where the fp32 path
    is bound by converting them (30 layers at one row: 7.3-7.9 ms against 12.5-12.8 ms, two EPYC
    cores, a C harness over these functions). w4a16-int16's decode rows take the same products with
-   int16 activations (d = max|x| / 32767, `pmaddwd`), its prompt rows w4a16's fp32 products.
+   int16 activations (d = max|x| / 32767, `pmaddwd`), its prompt rows w4a16's fp32 products, and
+   its LM head (int8g codes) every row in int16.
 
    Threads: OpenMP,
    the runtime torch already loaded (gcc's libgomp), so the pools are shared. */
@@ -522,8 +523,8 @@ static inline float min_term_vec(const float *mins, const float *s, int64_t grou
      No conversion of each weight to fp32: at one row about half the instructions of the fp32 pass,
      at 8 rows as many (AVX-512 builds run this AVX2 code too, so the two compute the same bits).
      The int8g head's codes need only a widening, no masks or shifts: its int16 passes took
-     0.58-0.77x the fp32 product's time at 1-8 rows and 0.86-0.97x at 16-24 (the fp32 one blocked
-     there; 576 x 49,152, 2 threads, AVX2 EPYC, a C harness, 2026-12-07). */
+     0.58-0.77x the fp32 product's time at 1-8 rows, 0.86-0.97x at 16-24 and 1.00-1.13x at 24-128
+     (the fp32 one blocked there; 576 x 49,152, 2 threads, AVX2 EPYC, C harnesses, 2026-12-07). */
 #define Q8_CODES()                                                                                 \
     const __m128i b = _mm_loadu_si128((const __m128i *)cp);                                        \
     const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
@@ -575,10 +576,17 @@ static void NAME##_pass_##M##_##NB(const QT *q, const float *d, const float *s, 
     }                                                                                              \
     if (n < n1 && NB > 1) NAME##_pass_##M##_1(q, d, s, k, codes, scales, mins, y, ldy, n, n1);     \
 }
-/* The integer rows q (with d and s) times the int4 (int8g) weights, in passes of 8, 4, 2 and 1 rows. */
+/* The integer rows q (with d and s) times the int4 (int8g) weights, in passes of 8, 4, 2 and 1 rows.
+   Over 8 rows the channels go in blocks of QA_BLOCK_CHANNELS, every pass over one block before the
+   next: a block's codes (SmolLM2's head: 256 x 576 bytes) stay in L2 for the passes after the first,
+   where a pass over a thread's whole share of a 28 MB head reads it again from L3 or memory
+   (with the head in a 32 MB L3, `bench/int4_product_ab.py --head --activations int16`: 0.89-1.00x at
+   24-128 rows, 2026-12-07). A channel's sums do not depend on which channels share its pass, so
+   the bits are the same. */
+#define QA_BLOCK_CHANNELS 256
 #define DEFINE_QA_ROWS(NAME, QT)                                                                   \
-static void NAME##_rows(const QT *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes, \
-                        const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) { \
+static void NAME##_row_passes(const QT *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes, \
+                              const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) { \
     while (m > 0) {                                                                                \
         int step = m >= 8 ? 8 : m >= 4 ? 4 : m >= 2 ? 2 : 1;                                       \
         if (step == 8) NAME##_pass_8_1(q, d, s, k, codes, scales, mins, y, ldy, n0, n1);           \
@@ -591,6 +599,12 @@ static void NAME##_rows(const QT *q, const float *d, const float *s, int m, int6
         y += step * ldy;                                                                           \
         m -= step;                                                                                 \
     }                                                                                              \
+}                                                                                                  \
+static void NAME##_rows(const QT *q, const float *d, const float *s, int m, int64_t k, const uint8_t *codes, \
+                        const float *scales, const float *mins, float *y, int64_t ldy, int64_t n0, int64_t n1) { \
+    const int64_t block = m > ROWS_PER_PASS ? QA_BLOCK_CHANNELS : n1 - n0;                         \
+    for (int64_t c0 = n0; c0 < n1; c0 += block)                                                    \
+        NAME##_row_passes(q, d, s, m, k, codes, scales, mins, y, ldy, c0, n1 - c0 < block ? n1 : c0 + block); \
 }
 #define DEFINE_QA(NAME, QT, ...)                                                                   \
     DEFINE_QA_PASS(NAME, QT, __VA_ARGS__, 1, 1) DEFINE_QA_PASS(NAME, QT, __VA_ARGS__, 1, 4)        \

@@ -22,7 +22,8 @@
   dot products (`pmaddwd`), which at one or two rows take about half the instructions of converting
   every weight to fp32; the rows of a prompt chunk are multiplied exactly as w4a16 multiplies them
   (chunks are arithmetic-bound, where fp32's register tiles are faster). The LM head takes every
-  row it multiplies in int16 (its int8 codes need only widening, so it gains at every batch).
+  row it multiplies in int16 (its int8 codes need only widening: faster than fp32 up to about 16
+  rows, about even past that).
   Magnitude's kernels only.
 - `w4a16-bf16prefill`: w4a16's weights, LM head and embeddings; a decode's products exactly as
   w4a16's, while the rows of a prompt chunk (a step's sequence with more than one token) are rounded
@@ -344,7 +345,8 @@ class Int8GroupLinear(nn.Module):
     layout), through Magnitude's kernel (runner/lowbit.py) with x, the scales and y in fp32: on
     weights that are the de-quantization of Q8_0 blocks (the bundled GGUF's LM head, tied to its
     token embeddings) every weight is exact and the product is the fp32 model's up to summation
-    order. w4a16's and w4a8's LM head where the kernels are built (else `WeightOnlyInt8Linear`).
+    order. w4a16's, w4a8's and w4a16-int16's LM head where the kernels are built (else
+    `WeightOnlyInt8Linear`).
     `activations="int16"` (w4a16-int16's head): every row it multiplies rounded to int16 per group
     of 32 inputs (`lowbit.q16_activations`) and integer dot products, at any number of rows, so a
     row's logits do not depend on its batch (lowbit_kernels.c has the speeds).
