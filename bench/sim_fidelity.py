@@ -16,7 +16,9 @@
 4. `magnitude simulate` of the recorded trace with the cost model (what an operator would replay),
    the same with the margin the engine ended with throughout (no history: "end margin"), the same
    with every step on the line the engine ended with (no line history: "end line"; a recording
-   priced on the line in force at each step's start is the "recorded" one), the same without the
+   priced on the line in force at each step's start is the "recorded" one), the same with its
+   prefill-only steps on the line too (no `meta.servedPrefillOnlyOverPredicted`: "prefill on
+   line"; the recorded one prices them by their own ratio), the same without the
    served fit (the calibrated table alone), the same without the attention
    terms either (as before they existed), and the generated trace (arrivals only: no
    preparation, no prefix groups);
@@ -290,7 +292,8 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     unscaled_doc = {**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
                                     if k not in ("servedOverPredicted", "servedFixedSeconds", "servedPerDecodeSeconds",
                                                  "servedNoiseMargin", "servedMarginHistory", "servedLineHistory",
-                                                 "servedSteps")}}
+                                                 "servedSteps", "servedPrefillOnlyOverPredicted",
+                                                 "servedPrefillOnlySteps")}}
     unscaled = work / "cost-unscaled.json"
     unscaled.write_text(json.dumps(unscaled_doc))
     table_only = work / "cost-table-only.json"
@@ -303,6 +306,10 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     end_line = work / "cost-end-line.json"  # the peer: every step on the line the engine ended with
     end_line.write_text(json.dumps({**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
                                                     if k != "servedLineHistory"}}))
+    prefill_on_line = work / "cost-prefill-on-line.json"  # the peer: prefill-only steps priced on the line too
+    prefill_on_line.write_text(json.dumps({**doc, "meta": {k: v for k, v in (doc.get("meta") or {}).items()
+                                                           if k not in ("servedPrefillOnlyOverPredicted",
+                                                                        "servedPrefillOnlySteps")}}))
     unscaled_replay = json.loads(run_cli("simulate", str(recorded), "--cost-model", str(unscaled), "--json", *sets))
     sims = {
         "recorded": figures(replay),
@@ -310,6 +317,8 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
                                                           "--json", *sets))),
         "recorded end line": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(end_line),
                                                         "--json", *sets))),
+        "recorded prefill on line": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model",
+                                                               str(prefill_on_line), "--json", *sets))),
         "recorded unscaled": figures(unscaled_replay),
         "recorded table-only": figures(json.loads(run_cli("simulate", str(recorded), "--cost-model", str(table_only),
                                                           "--json", *sets))),
@@ -333,7 +342,8 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
     print(f"{'replayed ' if replayed else ''}{'burst' if burst else 'mixed'} n={args.n} seed={args.seed} time-scale={args.time_scale} "
           f"serve={' '.join(args.serve_arg) or '-'} set={' '.join(args.sets) or '-'} cost={cost} "
           f"served {meta.get('servedFixedSeconds')} s + {meta.get('servedPerDecodeSeconds')} s a decode + "
-          f"{meta.get('servedOverPredicted')}x, margin {meta.get('servedNoiseMargin')} ({len(meta.get('servedMarginHistory') or [])} moves), {meta.get('servedSteps')} steps"
+          f"{meta.get('servedOverPredicted')}x, margin {meta.get('servedNoiseMargin')} ({len(meta.get('servedMarginHistory') or [])} moves), {meta.get('servedSteps')} steps; "
+          f"prefill-only {meta.get('servedPrefillOnlyOverPredicted')}x ({meta.get('servedPrefillOnlySteps')} steps)"
           f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}  ({work})")
     names = [f"{m}_{p}" for m, p in METRICS] + ["throughput"]
     print(f"{'':>34}" + "".join(f"{n:>14}" for n in names))

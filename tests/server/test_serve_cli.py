@@ -159,7 +159,8 @@ def test_cost_model_file_derives_the_limits_and_is_served(tmp_path: Path) -> Non
         # The file, with what served steps took against it so far (none yet).
         served = {**doc, "meta": {"device": "cpu", "servedOverPredicted": 1.0, "servedFixedSeconds": 0.0,
                                   "servedPerDecodeSeconds": 0.0, "servedNoiseMargin": 0.0,
-                                  "servedMarginHistory": [], "servedLineHistory": [], "servedSteps": 0}}
+                                  "servedMarginHistory": [], "servedLineHistory": [], "servedSteps": 0,
+                                  "servedPrefillOnlyOverPredicted": None, "servedPrefillOnlySteps": 0}}
         assert httpx.get(url + "/debug/cost-model", headers={"Authorization": "Bearer adm"}).json() == served
     finally:
         proc.terminate()
@@ -169,7 +170,8 @@ def test_cost_model_file_derives_the_limits_and_is_served(tmp_path: Path) -> Non
 def test_the_engine_learns_what_its_steps_take_and_reports_it_for_replays(tmp_path: Path) -> None:
     """The simulated runner sleeps twice the table's time (`--time-scale 2`, a stand-in for a host
     whose served steps run over the calibration): after a few requests GET /debug/cost-model says
-    the served steps took about 2x the table, and the document loads as the served model; the
+    the served steps took about 2x the table, decoding steps and prefill-only ones alike, and the
+    document loads as the served model; the
     margin's history is dated on the clock the recorded trace counts from."""
     from magnitude.sim.cost import ServedCost, cost_model_from_document
 
@@ -186,7 +188,7 @@ def test_the_engine_learns_what_its_steps_take_and_reports_it_for_replays(tmp_pa
                             stderr=subprocess.DEVNULL)
     try:
         wait_ready(url, proc, 60)
-        for i in range(3):
+        for i in range(5):
             r = httpx.post(url + "/v1/completions", json={"model": "simulated", "prompt": f"hello {i} " * 20,
                                                           "max_tokens": 12}, timeout=60)
             assert r.status_code == 200, r.text
@@ -209,9 +211,15 @@ def test_the_engine_learns_what_its_steps_take_and_reports_it_for_replays(tmp_pa
     # as the recording's arrivals are: within the requests' span on that clock.
     arrivals = sorted(json.loads(line)["arrival"] for line in recorded.read_text().splitlines())
     print(f"arrivals {arrivals}, margin history {meta['servedMarginHistory']}")
-    assert len(arrivals) == 3 and meta["servedMarginHistory"]
+    assert len(arrivals) == 5 and meta["servedMarginHistory"]
     assert arrivals[0] <= meta["servedMarginHistory"][0][0] <= arrivals[-1]
     assert list(model.margin_history) == [tuple(e) for e in meta["servedMarginHistory"]]
+    # Each prompt ran alone (one request at a time): five prefill-only steps, judged to the next
+    # step's start, at twice the table and what the loop adds, which a replay prices them by.
+    print(f"prefill-only steps {meta['servedPrefillOnlySteps']}: {meta['servedPrefillOnlyOverPredicted']} x the table")
+    assert meta["servedPrefillOnlySteps"] == 5
+    assert 1.9 <= meta["servedPrefillOnlyOverPredicted"] <= 3.0
+    assert model.prefill_only_factor == meta["servedPrefillOnlyOverPredicted"]
     # The line's history opens at the SERVED_EARLY_STEPS-th judged step (the ratio of those steps'
     # seconds, about 2x the table), on the same clock.
     print(f"line history {meta['servedLineHistory']}")

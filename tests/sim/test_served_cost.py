@@ -388,7 +388,8 @@ def test_a_document_with_the_served_factor_replays_served_times(tmp_path) -> Non
     assert isinstance(served_model, ServedCost) and served_model.steps == 400
     assert served_model.document_meta() == {"servedOverPredicted": 1.5, "servedFixedSeconds": 0.004,
                                             "servedPerDecodeSeconds": 0.0, "servedNoiseMargin": 0.0,
-                                            "servedMarginHistory": [], "servedLineHistory": [], "servedSteps": 400}
+                                            "servedMarginHistory": [], "servedLineHistory": [], "servedSteps": 400,
+                                            "servedPrefillOnlyOverPredicted": None, "servedPrefillOnlySteps": 0}
     served = simulate(burst, config, served_model)
     # The same plans; every step lasts 4 ms + 1.5x.
     assert [(s.decode, s.prefill) for s in served.steps] == [(s.decode, s.prefill) for s in plain.steps]
@@ -662,3 +663,99 @@ def test_a_replay_prices_each_step_on_the_line_in_force() -> None:
     assert any(s.t < moved for s in dated.steps) and any(s.t >= moved for s in dated.steps)
     for step in own.steps:
         assert step.duration == pytest.approx(0.004 + table.seconds_for(len(step.decode), sum(n for _, n in step.prefill)))
+
+
+def test_prefill_only_steps_keep_their_own_ratio_to_the_table() -> None:
+    """No stream waits on a prefill-only step, so the line is not fitted to it; the learner keeps
+    what such steps took over what the table predicted (summed, the last SERVED_WINDOW of them),
+    from SERVED_EARLY_STEPS on, within the line's bounds, and leaves the line alone."""
+    served = ServedCost(MEASURED)
+    for _ in range(SERVED_EARLY_STEPS - 1):
+        served.observe_prefill_only(0.200, 0.210)
+    assert served.prefill_only_factor is None and served.prefill_only_steps == SERVED_EARLY_STEPS - 1
+    served.observe_prefill_only(0.400, 0.500)
+    assert served.prefill_only_factor == pytest.approx((3 * 0.210 + 0.500) / (3 * 0.200 + 0.400))
+    # Only the last SERVED_WINDOW count: a window of 1.3x steps replaces the first ones.
+    for _ in range(SERVED_WINDOW):
+        served.observe_prefill_only(0.100, 0.130)
+    assert served.prefill_only_factor == pytest.approx(1.3)
+    assert served.prefill_only_steps == SERVED_WINDOW + SERVED_EARLY_STEPS
+    # A step predicted at nearly nothing is not judged; a stall counts as the line's bounds allow.
+    served.observe_prefill_only(1e-5, 1.0)
+    assert served.prefill_only_steps == SERVED_WINDOW + SERVED_EARLY_STEPS
+    stalled = ServedCost(MEASURED)
+    for _ in range(SERVED_EARLY_STEPS):
+        stalled.observe_prefill_only(0.100, 60.0)
+    assert stalled.prefill_only_factor == pytest.approx(SERVED_FACTOR_BOUNDS[1])
+    # The line and its counts are the decoding steps' alone.
+    assert (served.steps, served.factor, served.fixed_s, served.per_decode_s) == (0, 1.0, 0.0, 0.0)
+
+
+def test_the_follower_judges_a_prefill_only_step_until_the_next_step_starts() -> None:
+    """A prefill-only step is judged from its start to the next step's (any step: its prompt goes on
+    or starts decoding), as a decoding step is; an idle call between breaks the chain. The decoding
+    steps around them still teach only the line."""
+    from magnitude.engine.output import ScheduledSeq, StepPlan
+    from magnitude.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    follower = LimitsFollower(resolve_config(None, ["scheduler.itlTargetMs=150"]).scheduler, MEASURED)
+    chunk = StepPlan(0, [ScheduledSeq("p", [1] * 64, 0, [99], False, greedy)])
+    decodes = StepPlan(1, [ScheduledSeq(f"r{j}", [1], 200, [j], True, greedy) for j in range(4)])
+    t = 0.0
+    for i in range(2 * SERVED_WINDOW):
+        # Prefill-only steps take 1.25x the table, decoding steps 0.9x: the line learns 0.9 alone.
+        plan = chunk if i % 3 == 0 else decodes
+        follower.after_step(plan, t, decoding=plan is decodes)
+        t += (1.25 if plan is chunk else 0.9) * MEASURED.step_seconds(plan)
+    served = follower.served
+    assert served.prefill_only_factor == pytest.approx(1.25)
+    assert served.factor == pytest.approx(0.9, rel=0.02) and served.fixed_s == pytest.approx(0.0, abs=1e-4)
+    judged = served.prefill_only_steps
+    # A prefill-only step, then the loop idles (nothing ran): not judged, however long it was.
+    follower.after_step(chunk, t, decoding=False)
+    follower.after_step(None, t + 5.0, decoding=False)
+    follower.after_step(decodes, t + 6.0, decoding=True)
+    assert served.prefill_only_steps == judged and served.prefill_only_factor == pytest.approx(1.25)
+    follower.after_step(chunk, t + 7.0, decoding=False)
+    follower.after_step(StepPlan(2, []), t + 9.0, decoding=False)  # an empty plan: nothing ran
+    assert served.prefill_only_steps == judged
+
+
+def test_a_replay_prices_prefill_only_steps_by_their_own_ratio() -> None:
+    """A document with `meta.servedPrefillOnlyOverPredicted` replays its prefill-only steps at that
+    ratio of the table and every step with decodes on the line; without it (or with it null, as an
+    engine that judged too few reports it) prefill-only steps are on the line too. It round-trips."""
+    config = resolve_config(None, ["scheduler.tokenBudget=256", "scheduler.prefillChunkSize=128"])
+    meta = {"servedOverPredicted": 0.8, "servedFixedSeconds": 0.004, "servedPerDecodeSeconds": 0.001,
+            "servedSteps": 600}
+    table = cost_model_from_document(table_document())
+    model = cost_model_from_document(table_document(**meta, servedPrefillOnlyOverPredicted=1.1,
+                                                    servedPrefillOnlySteps=40))
+    assert isinstance(model, ServedCost) and (model.prefill_only_factor, model.prefill_only_steps) == (1.1, 40)
+    again = cost_model_from_document(table_document(**model.document_meta()))
+    assert (again.prefill_only_factor, again.prefill_only_steps) == (1.1, 40)
+    # Four documents at once: their first chunks run alone, then beside the first ones' decodes.
+    trace = [r.model_copy(update={"arrival": 0.0}) for r in documents() if r.id.startswith("doc")]
+    ratio = simulate(trace, config, model)
+    line = simulate(trace, config, cost_model_from_document(table_document(**meta)))
+    nulled = simulate(trace, config, cost_model_from_document(
+        table_document(**meta, servedPrefillOnlyOverPredicted=None, servedPrefillOnlySteps=2)))
+    prefill_only = [s for s in ratio.steps if not s.decode]
+    assert len(prefill_only) >= 4 and len(prefill_only) < len(ratio.steps)
+    for step in ratio.steps:
+        plan_s = table.seconds_for(len(step.decode), sum(n for _, n in step.prefill))
+        want = 1.1 * plan_s if not step.decode else 0.004 + 0.001 * len(step.decode) + 0.8 * plan_s
+        assert step.duration == pytest.approx(want, rel=1e-6), step
+    for result in (line, nulled):
+        for step in result.steps:
+            plan_s = table.seconds_for(len(step.decode), sum(n for _, n in step.prefill))
+            assert step.duration == pytest.approx(0.004 + 0.001 * len(step.decode) + 0.8 * plan_s, rel=1e-6), step
+
+
+@pytest.mark.parametrize("key, bad", [("servedPrefillOnlyOverPredicted", 0.1), ("servedPrefillOnlyOverPredicted", "1.1"),
+                                      ("servedPrefillOnlyOverPredicted", True), ("servedPrefillOnlySteps", -1),
+                                      ("servedPrefillOnlySteps", 2.0)])
+def test_a_malformed_prefill_only_ratio_is_refused_by_name(key: str, bad) -> None:
+    with pytest.raises(CostModelError, match=f"meta.{key}"):
+        cost_model_from_document(table_document(servedOverPredicted=1.2, **{key: bad}))

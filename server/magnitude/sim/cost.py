@@ -266,6 +266,16 @@ SERVED_DERIVE_STEPS = 64
 # force at its start (`ServedCost.step_seconds_at`).
 SERVED_LINE_HISTORY = 256
 SERVED_LINE_HISTORY_STEP = 0.01
+# Prefill-only steps (no decodes) are not on the line: no stream waits on them, and the line's fixed
+# and per-decode terms are what decoding steps pay beside the table. A replay must still price
+# them, and a long prompt's chunks are a third of some traces' time. On two AVX2 EPYC cores runs of
+# one mixed trace fitted lines of 0.83x and 1.18x the table, and a burst's line was 4.9 ms + 0.99x
+# while its prefill-only steps took 1.12x the table (bench/results/sim_fidelity.md). So the
+# learner keeps their own ratio, what they took summed over what the table predicted for them
+# (from one step's start to the next's, as a decoding step is judged), over the last SERVED_WINDOW
+# of them, from SERVED_EARLY_STEPS on (`prefill_only_factor`, `meta.servedPrefillOnlyOverPredicted`);
+# a replay prices prefill-only steps by it (`ServedCost.replayed_seconds`). The limits are still
+# derived on the line: its fixed cost is what makes small steps dear (derivation_model).
 
 
 class ServedCost:
@@ -278,14 +288,17 @@ class ServedCost:
     `meta.servedNoiseMargin`: see SERVED_MARGIN_QUANTILE), which the scheduler's bound adds
     (ServedBound), and when that margin moved (`margin_history`, `meta.servedMarginHistory`: see
     SERVED_MARGIN_HISTORY) and when the line moved (`line_history`, `meta.servedLineHistory`: see
-    SERVED_LINE_HISTORY). The table itself (`model`) stays what the calibration measured; null limits are
+    SERVED_LINE_HISTORY), and what prefill-only steps take against the table (`prefill_only_factor`,
+    `meta.servedPrefillOnlyOverPredicted`: see the note after SERVED_LINE_HISTORY_STEP), by which a
+    replay prices them. The table itself (`model`) stays what the calibration measured; null limits are
     derived from the served times once SERVED_MIN_STEPS steps are judged (derivation_model), from
     the table before."""
 
     def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0,
                  per_decode_s: float = 0.0, margin: float = 0.0,
                  margin_history: tuple[tuple[float, float], ...] = (),
-                 line_history: tuple[tuple[float, float, float, float], ...] = ()) -> None:
+                 line_history: tuple[tuple[float, float, float, float], ...] = (),
+                 prefill_only_factor: float | None = None, prefill_only_steps: int = 0) -> None:
         self.model = model
         self.factor = factor
         self.fixed_s = fixed_s
@@ -301,6 +314,12 @@ class ServedCost:
         # The window's sums of p, r, d and their products (p predicted, r real, d decodes).
         self._sp = self._sr = self._spp = self._spr = 0.0
         self._sd = self._sdd = self._sdp = self._sdr = 0.0
+        # Prefill-only steps' ratio to the table (the note on them after SERVED_LINE_HISTORY_STEP); None
+        # until SERVED_EARLY_STEPS are judged, and the line prices them till then.
+        self.prefill_only_factor = prefill_only_factor
+        self.prefill_only_steps = prefill_only_steps
+        self._prefill_only: deque[tuple[float, float]] = deque(maxlen=SERVED_WINDOW)  # (predicted, counted real)
+        self._po_p = self._po_r = 0.0
 
     @property
     def name(self) -> str:
@@ -331,6 +350,23 @@ class ServedCost:
             self.fixed_s, self.per_decode_s, self.factor = 0.0, 0.0, min(hi, max(lo, self._sr / self._sp))
         if at is not None and len(self._window) >= SERVED_EARLY_STEPS and self._line_moved():
             self.line_history.append((at, self.fixed_s, self.per_decode_s, self.factor))
+
+    def observe_prefill_only(self, predicted_s: float, real_s: float) -> None:
+        """A served step without decodes: the table predicted `predicted_s`, it took `real_s`."""
+        if predicted_s < SERVED_MIN_PREDICTED_S or real_s <= 0.0:
+            return
+        lo, hi = SERVED_FACTOR_BOUNDS
+        if len(self._prefill_only) == self._prefill_only.maxlen:
+            p, r = self._prefill_only[0]
+            self._po_p -= p
+            self._po_r -= r
+        r = min(real_s, SERVED_MAX_FIXED_S + hi * predicted_s)  # a stalled step counts as observe's do
+        self._prefill_only.append((predicted_s, r))
+        self._po_p += predicted_s
+        self._po_r += r
+        self.prefill_only_steps += 1
+        if len(self._prefill_only) >= SERVED_EARLY_STEPS:
+            self.prefill_only_factor = min(hi, max(lo, self._po_r / self._po_p))
 
     def _line_moved(self) -> bool:
         """Whether the line's time for the window's mean step (mean prediction, mean decodes) moved
@@ -427,6 +463,15 @@ class ServedCost:
         it has no history."""
         return self._served(self.model.step_seconds(plan), plan_shape(plan, 0)[0], self.line_at(t))
 
+    def replayed_seconds(self, plan: StepPlan, t: float | None = None) -> float:
+        """What a replay's step takes: a prefill-only step the table's time times the prefill-only
+        ratio where one is known, any other step its time on the line (in force at `t`, where given:
+        step_seconds_at)."""
+        if self.prefill_only_factor is not None and plan_shape(plan, 0)[0] == 0:
+            table_s = self.model.step_seconds(plan)
+            return self.prefill_only_factor * table_s if table_s > 0.0 else table_s
+        return self.step_seconds(plan) if t is None else self.step_seconds_at(plan, t)
+
     def line_at(self, t: float) -> tuple[float, float, float]:
         """(fixed, per decode, scale) in force at `t`: the line history's latest entry at or before
         `t`, the first one before it (the line the first judged steps gave, the best word on the
@@ -443,7 +488,10 @@ class ServedCost:
                  for t, fixed, per_decode, factor in self.line_history]
         return {"servedOverPredicted": round(self.factor, 4), "servedFixedSeconds": round(self.fixed_s, 5),
                 "servedPerDecodeSeconds": round(self.per_decode_s, 6), "servedNoiseMargin": round(self.margin, 4),
-                "servedMarginHistory": history, "servedLineHistory": lines, "servedSteps": self.steps}
+                "servedMarginHistory": history, "servedLineHistory": lines, "servedSteps": self.steps,
+                "servedPrefillOnlyOverPredicted": None if self.prefill_only_factor is None
+                else round(self.prefill_only_factor, 4),
+                "servedPrefillOnlySteps": self.prefill_only_steps}
 
 
 def margin_at(history: Sequence[tuple[float, float]], t: float) -> float:
@@ -934,8 +982,17 @@ def cost_model_from_document(doc: dict, spec: str = "cost model", block_size: in
         margin = _served_seconds(meta, "servedNoiseMargin", SERVED_MAX_MARGIN, spec)
         history = _margin_history(meta.get("servedMarginHistory", []), spec)
         lines = _line_history(meta.get("servedLineHistory", []), spec)
+        prefill_only = meta.get("servedPrefillOnlyOverPredicted")
+        if prefill_only is not None and (isinstance(prefill_only, bool) or not isinstance(prefill_only, (int, float))
+                                         or not lo <= prefill_only <= hi):
+            raise CostModelError(f"{spec}: meta.servedPrefillOnlyOverPredicted: expected null or a number in "
+                                 f"[{lo}, {hi}], got {prefill_only!r}")
+        prefill_only_steps = meta.get("servedPrefillOnlySteps", 0)
+        if isinstance(prefill_only_steps, bool) or not isinstance(prefill_only_steps, int) or prefill_only_steps < 0:
+            raise CostModelError(f"{spec}: meta.servedPrefillOnlySteps: expected a count, got {prefill_only_steps!r}")
         return ServedCost(cost_model_from_document({**doc, "kind": kind}, spec, block_size), float(served), steps,
-                          fixed, per_decode, margin, history, lines)
+                          fixed, per_decode, margin, history, lines,
+                          None if prefill_only is None else float(prefill_only), prefill_only_steps)
     cls: type = {"linear": LinearCost, "table": TableCost}.get(kind)  # type: ignore[assignment]
     if cls is None:
         raise CostModelError(f"{spec}: kind: unknown cost model kind {kind!r} (linear, table)")

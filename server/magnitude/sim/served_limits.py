@@ -59,22 +59,29 @@ class LimitsFollower:
         self.margin_history = tuple(margin_history)
         self.limits = derive_scheduler_limits(sp, table)
         self._derived_at = 0
-        self._previous: tuple[float, float, int] | None = None  # the last decoding step: (predicted s, start, decodes)
+        # The last step that ran: (predicted s, start, decodes, whether it carried decodes).
+        self._previous: tuple[float, float, int, bool] | None = None
 
     def after_step(self, plan: StepPlan | None, start: float, decoding: bool) -> LimitsChange | None:
-        """A step ran from `start` (`decoding`: it carried decodes); the change to apply, if any.
-        Two decoding steps back to back are judged (a decoding step leaves work, so the loop does
-        not idle in between); any other step breaks the chain."""
+        """A step ran from `start` (`decoding`: it carried decodes; None or an empty plan: nothing
+        ran, the loop idled); the change to apply, if any. Two decoding steps back to back are
+        judged on the line (a decoding step leaves work, so the loop does not idle in between), and
+        a prefill-only step followed by any step is judged for the prefill-only ratio (its prompt
+        goes on or starts decoding); an idle call breaks the chain."""
         served = self.served
         if served is None:
             return None
-        if decoding and self._previous is not None:
-            predicted, previous_start, decodes = self._previous
-            served.observe(predicted, start - previous_start, decodes, at=start)
+        ran = plan is not None and bool(plan.seqs)
+        if ran and self._previous is not None:
+            predicted, previous_start, decodes, was_decoding = self._previous
+            if was_decoding and decoding:
+                served.observe(predicted, start - previous_start, decodes, at=start)
+            elif not was_decoding:
+                served.observe_prefill_only(predicted, start - previous_start)
         if self.margin_history and isinstance(self.bound, ServedBound):
             self.bound.margin_floor = margin_at(self.margin_history, start)
-        self._previous = (served.model.step_seconds(plan), start, plan_shape(plan, 0)[0]) \
-            if decoding and plan is not None else None
+        self._previous = (served.model.step_seconds(plan), start, plan_shape(plan, 0)[0], decoding) \
+            if ran and plan is not None else None
         due = SERVED_MIN_STEPS if self._derived_at == 0 else self._derived_at + SERVED_DERIVE_STEPS
         if served.steps < due:
             return None

@@ -69,13 +69,14 @@ class CostModelRunner:
     def execute(self, plan: StepPlan, now: float | None = None) -> RunnerOutput:
         """`now`: when the step starts, on the clock of the document's histories: a served model
         that carries its line's history prices the step on the line in force then (a replay of
-        the engine's recorded traffic, ServedCost.step_seconds_at); without it, on its own line."""
+        the engine's recorded traffic, ServedCost.step_seconds_at); without it, on its own line. A
+        served model prices a prefill-only step by its own ratio where it has one
+        (ServedCost.replayed_seconds)."""
         sampled = {
             s.request_id: [SampledToken(1000 + (s.num_output_tokens % 1000))] for s in plan.seqs if s.sample
         }
         cost = self.cost_model
-        seconds = cost.step_seconds_at(plan, now) if isinstance(cost, ServedCost) and now is not None \
-            else cost.step_seconds(plan)
+        seconds = cost.replayed_seconds(plan, now) if isinstance(cost, ServedCost) else cost.step_seconds(plan)
         return RunnerOutput(sampled=sampled, duration_s=seconds)
 
 
