@@ -1497,6 +1497,47 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+/* SiLU(g) * u, 8 lanes: g * sigmoid(g), the sigmoid from t = e^-|g| (exp_nonpositive, which cannot
+   overflow): 1 / (1 + t) for g >= 0, t / (1 + t) below; within 3.1e-7 of libm's (relative). libm's
+   expf one lane at a time took 0.40-0.58 ms a SmolLM2 layer of 64 rows (1,536 channels, one
+   thread), this 0.055-0.067 ms: 30 layers' 12-17 ms against 1.6-2.0 ms, a few percent of a
+   64-token prompt step (a C harness over both, AVX2 EPYC, 2026-12-07). */
+static inline __m256 silu_times(__m256 g, __m256 u) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 t = exp_nonpositive(_mm256_or_ps(g, _mm256_set1_ps(-0.0f)));
+    const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, t, g), _mm256_add_ps(one, t));
+    return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), u);
+}
+
+/* act[r][a..b) = SiLU(gate) * up for rows [0, m): gu's rows hold gate (the first I) then up. Every
+   channel goes through silu_times (the last few through masked lanes), so a channel's value does
+   not depend on where a thread's share starts or ends. */
+static void silu_rows(const float *gu, float *act, int64_t m, int64_t I, int64_t a, int64_t b) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gu + r * 2 * I, *u = g + I;
+        float *out = act + r * I;
+        int64_t j = a;
+        for (; j + 8 <= b; j += 8)
+            _mm256_storeu_ps(out + j, silu_times(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+        if (j < b) {
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(b - j)),
+                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            _mm256_maskstore_ps(out + j, mask, silu_times(_mm256_maskload_ps(g + j, mask),
+                                                          _mm256_maskload_ps(u + j, mask)));
+        }
+    }
+}
+#else
+static void silu_rows(const float *gu, float *act, int64_t m, int64_t I, int64_t a, int64_t b) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = a; j < b; j++) {
+            const float g = gu[r * 2 * I + j];
+            act[r * I + j] = g / (1.0f + expf(-g)) * gu[r * 2 * I + I + j];
+        }
+}
+#endif
+#ifdef __AVX2__
+
 /* DEFINE_ATTEND's computation for R rows at positions p0..p0+R-1 over one block table (a
    sequence's prefill chunk, or one decode: R = 1) and nh consecutive query heads from h0 (row i's
    head h0+j: q + i*ldq + j*DIM, out likewise with ldo; head h reads KV head h / rep). It walks the
@@ -1819,11 +1860,7 @@ int magnitude_decode_layers(const magnitude_dims *d, const magnitude_layer *laye
                     int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, a, b, 0, 0, q8, 0, d->prompt_rows, bf16);
                     int4_share(xn, m, H, L->gu_codes, L->gu_scales, L->gu_mins, L->gu_bias, gu, 2 * I, I + a, I + b, 0, 0, q8, a < b, d->prompt_rows, bf16);
                 }
-                for (int64_t r = 0; r < m; r++)
-                    for (int64_t j = a; j < b; j++) {
-                        float g = gu[r * 2 * I + j];
-                        act[r * I + j] = g / (1.0f + expf(-g)) * gu[r * 2 * I + I + j];
-                    }
+                silu_rows(gu, act, m, I, a, b);
                 barrier_wait(&bar, &sense);
                 share(H, t, nt, &a, &b);
                 if (d->dense_bf16) BF16_SHARE(act, m, I, &L->down_w, &H, 1, L->down_bias, h, H, a, b, 1, tmp);
