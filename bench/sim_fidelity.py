@@ -332,7 +332,9 @@ def compare(work: Path, args: argparse.Namespace, replayed: bool = False) -> int
         extra = meta["servedFixedSeconds"] * n + meta.get("servedPerDecodeSeconds", 0.0) * decodes
         ratio = min(4.0, max(0.5, meta["servedOverPredicted"] + extra / seconds))
         one_ratio = work / "cost-one-ratio.json"
-        one_ratio.write_text(json.dumps({**doc, "meta": {**{k: v for k, v in meta.items() if k != "servedLineHistory"},
+        one_ratio.write_text(json.dumps({**doc, "meta": {**{k: v for k, v in meta.items()
+                                                            if k not in ("servedLineHistory", "servedPrefillOnlyOverPredicted",
+                                                                         "servedPrefillOnlySteps")},
                                                          "servedOverPredicted": round(ratio, 4),
                                                          "servedFixedSeconds": 0.0, "servedPerDecodeSeconds": 0.0}}))
         sims[f"recorded one ratio {ratio:.3f}"] = figures(json.loads(run_cli(

@@ -684,9 +684,11 @@ def test_prefill_only_steps_keep_their_own_ratio_to_the_table() -> None:
     served.observe_prefill_only(1e-5, 1.0)
     assert served.prefill_only_steps == SERVED_WINDOW + SERVED_EARLY_STEPS
     stalled = ServedCost(MEASURED)
-    for _ in range(SERVED_EARLY_STEPS):
-        stalled.observe_prefill_only(0.100, 60.0)
-    assert stalled.prefill_only_factor == pytest.approx(SERVED_FACTOR_BOUNDS[1])
+    for _ in range(SERVED_EARLY_STEPS - 1):
+        stalled.observe_prefill_only(0.100, 0.100)
+    stalled.observe_prefill_only(0.100, 60.0)
+    capped = SERVED_MAX_FIXED_S + SERVED_FACTOR_BOUNDS[1] * 0.100
+    assert stalled.prefill_only_factor == pytest.approx((0.300 + capped) / 0.400)  # 1.875, not 4x
     # The line and its counts are the decoding steps' alone.
     assert (served.steps, served.factor, served.fixed_s, served.per_decode_s) == (0, 1.0, 0.0, 0.0)
 
@@ -759,3 +761,27 @@ def test_a_replay_prices_prefill_only_steps_by_their_own_ratio() -> None:
 def test_a_malformed_prefill_only_ratio_is_refused_by_name(key: str, bad) -> None:
     with pytest.raises(CostModelError, match=f"meta.{key}"):
         cost_model_from_document(table_document(servedOverPredicted=1.2, **{key: bad}))
+
+
+def test_a_swap_only_step_stays_on_the_line_and_a_draft_model_replay_uses_the_ratio() -> None:
+    """A step that only moves blocks (no sequences: the engine never judges it) is priced on the line
+    even where the document has a prefill-only ratio; a replay with a draftModel prices steps
+    without decodes by the ratio as a plain replay does."""
+    from magnitude.engine.output import StepPlan
+    from magnitude.sim.speculation import SpecModel
+
+    meta = {"servedOverPredicted": 0.8, "servedFixedSeconds": 0.004, "servedSteps": 600,
+            "servedPrefillOnlyOverPredicted": 1.3, "servedPrefillOnlySteps": 40}
+    model = cost_model_from_document(table_document(**meta))
+    swap = StepPlan(0, [], swap_in=[(1, 2), (3, 4)])
+    assert model.replayed_seconds(swap) == model.step_seconds(swap)
+    config = resolve_config(None, ["draftModel.method=ngram", "draftModel.numSpeculativeTokens=4",
+                                   "draftModel.mode=on", "scheduler.tokenBudget=256",
+                                   "scheduler.prefillChunkSize=128"])
+    trace = [r.model_copy(update={"arrival": 0.0}) for r in documents() if r.id.startswith("doc")]
+    result = simulate(trace, config, model, speculation=SpecModel(0.5, seed=1))
+    table = cost_model_from_document(table_document())
+    prefill_only = [s for s in result.steps if not s.decode]
+    assert len(prefill_only) >= 4
+    for step in prefill_only:
+        assert step.duration == pytest.approx(1.3 * table.seconds_for(0, sum(n for _, n in step.prefill)), rel=1e-6)

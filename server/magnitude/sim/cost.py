@@ -324,7 +324,9 @@ class ServedCost:
     @property
     def name(self) -> str:
         per_decode = f" + {self.per_decode_s * 1000:.2f} ms a decode" if self.per_decode_s else ""
-        return f"{self.model.name} x {self.factor:.3f} + {self.fixed_s * 1000:.1f} ms{per_decode} served"
+        prefill_only = f", prefill-only steps x {self.prefill_only_factor:.3f}" \
+            if self.prefill_only_factor is not None else ""
+        return f"{self.model.name} x {self.factor:.3f} + {self.fixed_s * 1000:.1f} ms{per_decode} served{prefill_only}"
 
     def observe(self, predicted_s: float, real_s: float, decodes: int = 0, at: float | None = None) -> None:
         """A served step: the table predicted `predicted_s`, it took `real_s` carrying `decodes`
@@ -464,10 +466,10 @@ class ServedCost:
         return self._served(self.model.step_seconds(plan), plan_shape(plan, 0)[0], self.line_at(t))
 
     def replayed_seconds(self, plan: StepPlan, t: float | None = None) -> float:
-        """What a replay's step takes: a prefill-only step the table's time times the prefill-only
-        ratio where one is known, any other step its time on the line (in force at `t`, where given:
-        step_seconds_at)."""
-        if self.prefill_only_factor is not None and plan_shape(plan, 0)[0] == 0:
+        """What a replay's step takes: a prefill-only step (sequences, none decoding) the table's time
+        times the prefill-only ratio where one is known, any other step (a swap-only one too, which the
+        engine does not judge) its time on the line (in force at `t`, where given: step_seconds_at)."""
+        if self.prefill_only_factor is not None and plan.seqs and plan_shape(plan, 0)[0] == 0:
             table_s = self.model.step_seconds(plan)
             return self.prefill_only_factor * table_s if table_s > 0.0 else table_s
         return self.step_seconds(plan) if t is None else self.step_seconds_at(plan, t)

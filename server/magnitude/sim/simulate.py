@@ -25,7 +25,7 @@ from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
 from magnitude.sim.cost import CostModel, SchedulerLimits, ServedCost, apply_limits, plan_shape
-from magnitude.sim.served_limits import LimitsFollower
+from magnitude.sim.served_limits import LimitsChange, LimitsFollower
 from magnitude.sim.speculation import SpecModel, spec_simulation
 from magnitude.sim.trace import TraceError, TraceRecord, prefix_token_ids
 
@@ -155,11 +155,8 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
                 spec.after_step(sched, plan, output)
             result.steps.append(_record(plan, start, now - start, sched))
             in_flight = None
-            change = follower.after_step(plan, start, plan_shape(plan, config.kv_cache.block_size)[0] > 0)
-            if change is not None:
-                new = change.new
-                sched.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, follower.bound)
-                result.limits_changes.append((now, new))
+            _follow(follower.after_step(plan, start, plan_shape(plan, config.kv_cache.block_size)[0] > 0),
+                    follower, sched, result, now)
         elif kind == CANCEL:
             sched.abort(payload, now)
         else:
@@ -168,10 +165,16 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
             result.events.extend(sched.drain_events())
         else:
             sched.events.clear()
-        if in_flight is not None or (heap.next_time() == now) or not sched.has_work():
-            continue  # a step is running, more happens at this instant, or nothing to do
+        if in_flight is not None or (heap.next_time() == now):
+            continue  # a step is running, or more happens at this instant
+        if not sched.has_work():
+            # Nothing to do: the engine's loop idles here and tells its follower so (its chain of
+            # judged steps breaks), and so does the replay's.
+            _follow(follower.after_step(None, now, False), follower, sched, result, now)
+            continue
         plan = sched.schedule(now)
         if plan.is_empty:
+            _follow(follower.after_step(plan, now, False), follower, sched, result, now)  # the engine's idle step
             # schedule() itself may end the last work (a queued request's deadline passes): not a stall.
             if not heap and sched.has_work():
                 raise RuntimeError(f"scheduler stalled at t={now} with work left: {sched.stats()}")
@@ -185,6 +188,15 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
     if spec is not None:
         result.speculation = spec.stats.to_dict()
     return result
+
+
+def _follow(change: LimitsChange | None, follower: LimitsFollower, sched: Scheduler, result: SimResult,
+            now: float) -> None:
+    """Run with limits the follower derived again, as the engine does."""
+    if change is not None:
+        new = change.new
+        sched.set_limits(new.token_budget, new.prefill_chunk_size, new.itl_target_ms, follower.bound)
+        result.limits_changes.append((now, new))
 
 
 def _record(plan: StepPlan, start: float, duration: float, sched: Scheduler) -> StepRecord:

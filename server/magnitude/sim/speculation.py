@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from magnitude.engine.output import RunnerOutput, SampledToken, StepPlan
 from magnitude.engine.speculation import Mode, SpeculationPolicy
 from magnitude.policy.schema import EngineConfig
-from magnitude.sim.cost import CostModel
+from magnitude.sim.cost import CostModel, ServedCost
 
 
 class SpecConfigError(ValueError):
@@ -140,7 +140,10 @@ class SpecSimulation:
         draft_s = positions * self.draft_step_seconds
         self.stats.draft_seconds += draft_s
         self.stats.drafted_steps += bool(out.num_drafts)
-        out.duration_s = self.cost_model.step_seconds(plan) + draft_s
+        cost = self.cost_model
+        # a served document's prefill-only steps by their own ratio, as CostModelRunner prices them
+        step_s = cost.replayed_seconds(plan) if isinstance(cost, ServedCost) else cost.step_seconds(plan)
+        out.duration_s = step_s + draft_s
         return out
 
     def after_step(self, scheduler: object, plan: StepPlan, output: RunnerOutput) -> None:
