@@ -722,6 +722,14 @@ def test_the_follower_judges_a_prefill_only_step_until_the_next_step_starts() ->
     follower.after_step(chunk, t + 7.0, decoding=False)
     follower.after_step(StepPlan(2, []), t + 9.0, decoding=False)  # an empty plan: nothing ran
     assert served.prefill_only_steps == judged
+    # A step whose requests failed (the runner raised: the engine's RunnerOutput.failed) is not judged,
+    # nor is the step before it judged against its start.
+    follower.after_step(chunk, t + 10.0, decoding=False)
+    follower.after_step(chunk, t + 10.001, decoding=False, failed=True)
+    follower.after_step(chunk, t + 12.0, decoding=False)
+    assert served.prefill_only_steps == judged
+    follower.after_step(decodes, t + 12.0 + 1.25 * MEASURED.step_seconds(chunk), decoding=True)
+    assert served.prefill_only_steps == judged + 1 and served.prefill_only_factor == pytest.approx(1.25)
 
 
 def test_a_replay_prices_prefill_only_steps_by_their_own_ratio() -> None:

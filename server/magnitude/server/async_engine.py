@@ -578,10 +578,9 @@ class AsyncEngine:
         steps (sim/served_limits.py: at SERVED_MIN_STEPS judged steps, then every SERVED_DERIVE_STEPS
         more; null limits only), hand them to the scheduler."""
         assert self.limits_follower is not None
-        if output is not None and output.failed:
-            plan = None  # a step with failed requests is not judged: as an idle call
         decoding = plan is not None and output is not None and stats.num_decode > 0
-        change = self.limits_follower.after_step(plan, stats.t - stats.duration_s, decoding)
+        change = self.limits_follower.after_step(plan, stats.t - stats.duration_s, decoding,
+                                                 failed=output is not None and bool(output.failed))
         if change is not None:
             self._follow_served_steps(change)
 

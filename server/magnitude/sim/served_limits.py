@@ -62,16 +62,18 @@ class LimitsFollower:
         # The last step that ran: (predicted s, start, decodes, whether it carried decodes).
         self._previous: tuple[float, float, int, bool] | None = None
 
-    def after_step(self, plan: StepPlan | None, start: float, decoding: bool) -> LimitsChange | None:
+    def after_step(self, plan: StepPlan | None, start: float, decoding: bool,
+                   failed: bool = False) -> LimitsChange | None:
         """A step ran from `start` (`decoding`: it carried decodes; None or an empty plan: nothing
-        ran, the loop idled); the change to apply, if any. Two decoding steps back to back are
-        judged on the line (a decoding step leaves work, so the loop does not idle in between), and
-        a prefill-only step followed by any step is judged for the prefill-only ratio (its prompt
-        goes on or starts decoding); an idle call breaks the chain."""
+        ran, the loop idled; `failed`: requests in it failed, so its time says nothing of what steps
+        take, and it counts as an idle call); the change to apply, if any. Two decoding steps back to
+        back are judged on the line (a decoding step leaves work, so the loop does not idle in
+        between), and a prefill-only step followed by any step is judged for the prefill-only ratio
+        (its prompt goes on or starts decoding); an idle call breaks the chain."""
         served = self.served
         if served is None:
             return None
-        ran = plan is not None and bool(plan.seqs)
+        ran = plan is not None and bool(plan.seqs) and not failed
         if ran and self._previous is not None:
             predicted, previous_start, decodes, was_decoding = self._previous
             if was_decoding and decoding:
