@@ -335,7 +335,7 @@ class ServedCost:
             return
         if len(self._window) == self._window.maxlen:
             self._add(*self._window[0], -1.0)
-        r = min(real_s, SERVED_MAX_FIXED_S + SERVED_MAX_PER_DECODE_S * decodes + SERVED_FACTOR_BOUNDS[1] * predicted_s)
+        r = _counted_seconds(predicted_s, real_s, decodes)
         self._window.append((predicted_s, r, float(decodes)))
         self._add(predicted_s, r, float(decodes), 1.0)
         self.steps += 1
@@ -362,7 +362,7 @@ class ServedCost:
             p, r = self._prefill_only[0]
             self._po_p -= p
             self._po_r -= r
-        r = min(real_s, SERVED_MAX_FIXED_S + hi * predicted_s)  # a stalled step counts as observe's do
+        r = _counted_seconds(predicted_s, real_s)
         self._prefill_only.append((predicted_s, r))
         self._po_p += predicted_s
         self._po_r += r
@@ -494,6 +494,17 @@ class ServedCost:
                 "servedPrefillOnlyOverPredicted": None if self.prefill_only_factor is None
                 else round(self.prefill_only_factor, 4),
                 "servedPrefillOnlySteps": self.prefill_only_steps}
+
+
+def _counted_seconds(predicted_s: float, real_s: float, decodes: int = 0) -> float:
+    """What a judged step counts as: a stalled one as at most the line's bounds allow."""
+    return min(real_s, SERVED_MAX_FIXED_S + SERVED_MAX_PER_DECODE_S * decodes + SERVED_FACTOR_BOUNDS[1] * predicted_s)
+
+
+def replay_step_seconds(cost: CostModel, plan: StepPlan, t: float | None = None) -> float:
+    """A simulated step's time: a served model's replayed_seconds (at `t` on its dated line, where
+    given), any other model's step_seconds."""
+    return cost.replayed_seconds(plan, t) if isinstance(cost, ServedCost) else cost.step_seconds(plan)
 
 
 def margin_at(history: Sequence[tuple[float, float]], t: float) -> float:

@@ -24,7 +24,7 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
-from magnitude.sim.cost import CostModel, SchedulerLimits, ServedCost, apply_limits, plan_shape
+from magnitude.sim.cost import CostModel, SchedulerLimits, ServedCost, apply_limits, plan_shape, replay_step_seconds
 from magnitude.sim.served_limits import LimitsChange, LimitsFollower
 from magnitude.sim.speculation import SpecModel, spec_simulation
 from magnitude.sim.trace import TraceError, TraceRecord, prefix_token_ids
@@ -75,9 +75,7 @@ class CostModelRunner:
         sampled = {
             s.request_id: [SampledToken(1000 + (s.num_output_tokens % 1000))] for s in plan.seqs if s.sample
         }
-        cost = self.cost_model
-        seconds = cost.replayed_seconds(plan, now) if isinstance(cost, ServedCost) else cost.step_seconds(plan)
-        return RunnerOutput(sampled=sampled, duration_s=seconds)
+        return RunnerOutput(sampled=sampled, duration_s=replay_step_seconds(self.cost_model, plan, now))
 
 
 def resolve_sim_config(config: EngineConfig, cost_model: CostModel) -> EngineConfig:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from magnitude.engine.output import RunnerOutput, SampledToken, StepPlan
 from magnitude.engine.speculation import Mode, SpeculationPolicy
 from magnitude.policy.schema import EngineConfig
-from magnitude.sim.cost import CostModel, ServedCost
+from magnitude.sim.cost import CostModel, replay_step_seconds
 
 
 class SpecConfigError(ValueError):
@@ -140,10 +140,7 @@ class SpecSimulation:
         draft_s = positions * self.draft_step_seconds
         self.stats.draft_seconds += draft_s
         self.stats.drafted_steps += bool(out.num_drafts)
-        cost = self.cost_model
-        # a served document's prefill-only steps by their own ratio, as CostModelRunner prices them
-        step_s = cost.replayed_seconds(plan) if isinstance(cost, ServedCost) else cost.step_seconds(plan)
-        out.duration_s = step_s + draft_s
+        out.duration_s = replay_step_seconds(self.cost_model, plan) + draft_s
         return out
 
     def after_step(self, scheduler: object, plan: StepPlan, output: RunnerOutput) -> None:
