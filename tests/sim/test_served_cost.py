@@ -442,29 +442,37 @@ def test_a_served_noise_margin_out_of_bounds_is_refused_by_name(bad) -> None:
                                                                       servedNoiseMargin=bad))))
 
 
-def _scattered(served: ServedCost, slow_every: int, slow: float, steps: int = SERVED_WINDOW) -> None:
-    """Steps of 5-100 ms on the table's times, every `slow_every`th `slow` times as long."""
+def _scattered(served: ServedCost, slow_every: int, slow: float, steps: int = SERVED_WINDOW, phase: int = 0) -> None:
+    """Steps of 5-100 ms on the table's times (step i: 5 ms x (1 + i % 20)), every `slow_every`th
+    (counting from `phase`) `slow` times as long."""
     for i in range(steps):
         p = 0.005 + 0.005 * (i % 20)
-        served.observe(p, p * (slow if i % slow_every == 0 else 1.0))
+        served.observe(p, p * (slow if (i - phase) % slow_every == 0 else 1.0))
 
 
-def test_the_margin_is_the_seconds_weighted_quantile_of_the_scatter() -> None:
-    """One step in five 1.5x its line: a tenth of the window's seconds is past any quantile under
-    the slow steps' own, so the margin is what they ran over the line. One in twenty is under the
-    quantile; no scatter, no margin; a wild one is capped. Refitted every SERVED_MARGIN_EVERY steps."""
-    every_fifth, every_twentieth, even, wild = (ServedCost(PROPORTIONAL) for _ in range(4))
+def test_the_margin_is_the_worst_big_step_about_the_line() -> None:
+    """One step in five 1.5x its line, some of them big: the margin is what the big ones ran over
+    the line. One in twenty slow, each a 100 ms step (the window's biggest): a 90th percentile of
+    the seconds would pass over them, and a stream's longest gap is one of them, so the margin is
+    theirs too. One in twenty slow, each a 5 ms step: small steps scatter and a target does not
+    cut them, no margin. No scatter, no margin; a wild one is capped. Refitted every
+    SERVED_MARGIN_EVERY steps."""
+    every_fifth, big_twentieth, small_twentieth, even, wild = (ServedCost(PROPORTIONAL) for _ in range(5))
     _scattered(every_fifth, 5, 1.5)
-    _scattered(every_twentieth, 20, 1.5)
+    _scattered(big_twentieth, 20, 1.5, phase=19)
+    _scattered(small_twentieth, 20, 1.5)
     _scattered(even, 1, 1.0)
     _scattered(wild, 2, 3.0)
-    print(f"\nmargins: {every_fifth.margin:.3f} {every_twentieth.margin:.3f} {even.margin:.3f} {wild.margin:.3f}")
+    print(f"\nmargins: {every_fifth.margin:.3f} {big_twentieth.margin:.3f} {small_twentieth.margin:.3f} "
+          f"{even.margin:.3f} {wild.margin:.3f}")
     # The line through the scattered window lies above the plain steps, so the slow ones are less
     # than 1.5x over it, and the plain ones under it.
     line = every_fifth.seconds_for(0, 64)
     assert 0.2 < every_fifth.margin < 0.5
     assert every_fifth.margin == pytest.approx(PROPORTIONAL.seconds_for(0, 64) * 1.5 / line - 1.0, rel=0.2)
-    assert every_twentieth.margin < 0.05
+    assert 0.2 < big_twentieth.margin < 0.5
+    assert big_twentieth.margin == pytest.approx(0.100 * 1.5 / big_twentieth.seconds_for(0, 100) - 1.0, rel=0.05)
+    assert small_twentieth.margin < 0.05
     assert even.margin == 0.0
     assert wild.margin == SERVED_MAX_MARGIN
     # It moves only every SERVED_MARGIN_EVERY judged steps.
