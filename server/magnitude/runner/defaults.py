@@ -18,8 +18,10 @@ report (issue 17 owns this rule; docs/runner.md "Default weights per CPU" has th
 - Any other CPU serving such a GGUF: fp32 with w4a16 linears. Their codes are the file's exactly
   (runner/quantize.py), so the weights lose nothing, and a decode step reads about 6x fewer weight
   bytes than in fp32. bf16 weights would prefill faster but decode 3.7-6.2x slower (batch 1 to 8),
-  and a served stream waits on decodes. (The int16 products are AVX2 code, not measured against
-  AVX-512's fp32 passes.)
+  and a served stream waits on decodes. (The int16 products are AVX2 code; on AVX-512 the fp32
+  passes win from 4 rows on: w4a16-int16's decode steps of 1, 4, 8 and 24 rows took 0.95x, 1.14x,
+  1.33x and 1.64x w4a16-bf16prefill's time, w4a16's 0.92-1.01x, on a 2-core AMX Xeon,
+  bench/results/runner_llama.md S61.)
 - Any other checkpoint on a CPU with native bf16 matmuls (AMX-BF16 or AVX512-BF16 in
   /proc/cpuinfo): bfloat16 weights, no quantization: bf16 steps there run 1.1-2.7x as fast as fp32's
   and keep the KV cache in fp32.
