@@ -15,7 +15,9 @@ dtype and trace, output tok/s and its ratio to the best of the sweep, TTFT p50, 
 longest stall inside a chat stream (as the client saw text arrive, and as the engine produced the
 tokens: the response's `timing.max_itl_ms`; a token whose text waits to complete a character reaches
 the client with the next one, so the client's gap can span two steps), the ITL targets in force
-(read from /readyz before and after each trace: derived limits follow served steps), and the load average before
+(read from /readyz before and after each trace: derived limits follow served steps), how many of the
+engine's gaps between decoding steps ran over the target in force when they started, of all it
+judged (`over`: magnitude_scheduler_itl_gaps_total over the trace, summed over runs), and the load average before
 and after (a shared host makes every figure noisy: compare within one run). With `--repeats N` every setting runs N times, the
 settings taking turns (derived, then each budget, then again), and each figure is the median of its
 N runs (the stalls: the worst of them), so a slow minute of the host lands on one run of each
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT / "bench")]
@@ -84,17 +87,30 @@ def run_setting(name: str, flags: list[str], sets: list[str], traces: dict[str, 
             (out_dir / f"{name}-cost.json").write_text(json.dumps(doc, indent=1))
         for trace, path in traces.items():
             report = out_dir / f"{name}-{trace}.json"
-            before = httpx.get(url + "/readyz").json().get("scheduler") or {}
+            before, gaps_before = httpx.get(url + "/readyz").json().get("scheduler") or {}, itl_gaps(url)
             loadgen.main([str(path), "--url", url, "--out", str(report), "--timeout", "900"])
             result[trace] = rb.summarize(json.loads(report.read_text()), trace)
             # The derived limits follow served steps (docs/scheduler.md), so the target a trace's steps
-            # were bounded by is the one in force before it and, if they moved during it, the one after.
-            after = httpx.get(url + "/readyz").json().get("scheduler") or {}
+            # were bounded by is the one in force before it and, if they moved during it, the one after
+            # (and any between); the engine judged each decoding gap against the target in force.
+            after, gaps_after = httpx.get(url + "/readyz").json().get("scheduler") or {}, itl_gaps(url)
             result[trace]["itl_targets_ms"] = [before.get("itlTargetMs"), after.get("itlTargetMs")]
+            result[trace]["itl_gaps"] = {k: gaps_after[k] - gaps_before[k] for k in gaps_after}
         print(f"  {name}: {json.dumps(result)}", flush=True)
     finally:
         rb.stop_server(proc)
     return result
+
+
+def itl_gaps(url: str) -> dict[str, float]:
+    """magnitude_scheduler_itl_gaps_total by result (within, over the ITL target in force)."""
+    counts = {"within": 0.0, "over": 0.0}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if family.name == "magnitude_scheduler_itl_gaps":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["result"]] = sample.value
+    return counts
 
 
 def load() -> str:
@@ -154,6 +170,9 @@ def median_run(runs: list[dict], trace: str) -> dict:
     out["runs_tok_s"] = [round(f["output_tok_s"], 1) for f in figures]
     targets = [t for f in figures for t in f.get("itl_targets_ms") or [] if t is not None]
     out["targets"] = f"{min(targets):.0f}-{max(targets):.0f}" if targets else "-"
+    gaps = [f["itl_gaps"] for f in figures if f.get("itl_gaps")]
+    judged = sum(g["within"] + g["over"] for g in gaps)
+    out["over"] = f"{sum(g['over'] for g in gaps):.0f}/{judged:.0f}" if judged else "-"
     return out
 
 
@@ -176,12 +195,12 @@ def print_table(results: dict, dtypes: list[str], traces: list[str]) -> None:
             med = {name: median_run(runs, trace) for name, runs in rows.items()}
             ratio = of_best(rows, trace)
             print(f"  {trace:5} {'setting':>8} {'tok/s':>7} {'of best':>7} {'TTFT p50':>9} {'ITL p99':>8} "
-                  f"{'stall':>7} {'chat stall':>10} {'engine':>7} {'target ms':>9}  runs' tok/s")
+                  f"{'stall':>7} {'chat stall':>10} {'engine':>7} {'target ms':>9} {'over':>9}  runs' tok/s")
             for name, m in med.items():
                 print(f"  {'':5} {name:>8} {m['output_tok_s']:7.1f} {ratio[name]:7.2f} "
                       f"{m['ttft_p50']:9.2f} {m['itl_p99']:8.3f} {m['longest_stall']:7.3f} "
                       f"{m['chat_longest_stall'] or float('nan'):10.3f} {m['chat_engine_stall'] or float('nan'):7.3f} "
-                      f"{m['targets']:>9}  {m['runs_tok_s']}")
+                      f"{m['targets']:>9} {m['over']:>9}  {m['runs_tok_s']}")
 
 
 if __name__ == "__main__":

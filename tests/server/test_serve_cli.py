@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,8 +288,19 @@ def test_derived_limits_follow_what_served_steps_take(tmp_path: Path) -> None:
     assert any(not limits_moved(expected, got) for expected in candidates), (margins, candidates, got)
     assert after["itlTargetMs"] >= before["itlTargetMs"] + 0.8 * 1000 * meta["servedFixedSeconds"]
     assert f'magnitude_scheduler_itl_target_seconds{{source="derived"}} {after["itlTargetMs"] / 1000}' in metrics["derived"]
+    # Every gap between the stream's decoding steps is judged against the target it was planned under
+    # (the first decode follows the prefill step, which is not one). Each step is twice the table's,
+    # the target carries the served line and its margin, so few if any run over it.
+    gaps = {name: {result: float(re.search(rf'^magnitude_scheduler_itl_gaps_total{{result="{result}"}} (\S+)$',
+                                           text, re.M).group(1)) for result in ("within", "over")}
+            for name, text in metrics.items()}
+    print(f"ITL gaps judged: {gaps}")
+    judged = gaps["derived"]["within"] + gaps["derived"]["over"]
+    assert SERVED_MIN_STEPS + SERVED_DERIVE_STEPS <= judged <= SERVED_MIN_STEPS + SERVED_DERIVE_STEPS + 8
+    assert gaps["derived"]["within"] > gaps["derived"]["over"]
     before, after = readyz["set"]
     assert before == after == {"tokenBudget": 256, "prefillChunkSize": 128, "itlTargetMs": None, "source": "set"}
+    assert gaps["set"] == {"within": 0.0, "over": 0.0}  # no target, nothing promised
 
 
 def test_unknown_quantization_exits_2() -> None:

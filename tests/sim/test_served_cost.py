@@ -740,6 +740,54 @@ def test_the_follower_judges_a_prefill_only_step_until_the_next_step_starts() ->
     assert served.prefill_only_steps == judged + 1 and served.prefill_only_factor == pytest.approx(1.25)
 
 
+def test_the_follower_judges_each_decoding_gap_against_the_target_its_step_was_planned_under() -> None:
+    """`last_itl_gap` is what running streams waited, one decoding step's start to the next's, with
+    the target the first of the two was planned under (the engine counts it into
+    magnitude_scheduler_itl_gaps_total): none around a prefill-only step, after an idle call or with
+    no target; when a derivation moves the target, the step planned before it keeps the old one."""
+    from magnitude.engine.output import ScheduledSeq, StepPlan
+    from magnitude.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    decodes = StepPlan(1, [ScheduledSeq(f"r{j}", [1], 200, [j], True, greedy) for j in range(4)])
+    chunk = StepPlan(0, [ScheduledSeq("p", [1] * 64, 0, [99], False, greedy)])
+    follower = LimitsFollower(resolve_config(None, ["scheduler.itlTargetMs=150"]).scheduler, MEASURED)
+    follower.after_step(decodes, 0.0, decoding=True)
+    assert follower.last_itl_gap is None  # nothing before it
+    follower.after_step(decodes, 0.120, decoding=True)
+    assert follower.last_itl_gap == pytest.approx((0.120, 0.150))
+    follower.after_step(decodes, 0.300, decoding=True)
+    assert follower.last_itl_gap == pytest.approx((0.180, 0.150))  # over the promise
+    follower.after_step(chunk, 0.400, decoding=False)
+    assert follower.last_itl_gap is None  # no decodes in it: the streams before it had finished
+    follower.after_step(decodes, 0.500, decoding=True)
+    assert follower.last_itl_gap is None  # nor was a stream waiting on a decode during the prefill-only step
+    follower.after_step(None, 0.600, decoding=False)
+    follower.after_step(decodes, 0.700, decoding=True)
+    assert follower.last_itl_gap is None  # an idle call breaks the chain
+    untargeted = LimitsFollower(resolve_config(None, ["scheduler.tokenBudget=64", "scheduler.prefillChunkSize=32"]).scheduler,
+                                MEASURED)
+    untargeted.after_step(decodes, 0.0, decoding=True)
+    untargeted.after_step(decodes, 0.1, decoding=True)
+    assert untargeted.limits.itl_target_ms is None and untargeted.last_itl_gap is None
+    # Derived limits that move: the gap after the step that moved them is judged on the old target.
+    derived = LimitsFollower(resolve_config(None, []).scheduler, PROPORTIONAL)
+    start, judged, change_seen = 0.0, [], False
+    for i in range(SERVED_MIN_STEPS + 2):
+        before = derived.limits.itl_target_ms
+        change = derived.after_step(decodes, start, decoding=True)
+        if derived.last_itl_gap is not None:
+            judged.append(derived.last_itl_gap)
+        if change is not None:
+            change_seen = True
+            assert change.old.itl_target_ms == before != change.new.itl_target_ms
+            derived.after_step(decodes, start + 0.05, decoding=True)
+            assert derived.last_itl_gap == pytest.approx((0.05, before / 1000.0))
+            break
+        start += PROPORTIONAL.step_seconds(decodes) + 0.040
+    assert change_seen and len(judged) >= SERVED_MIN_STEPS - 1
+
+
 def test_a_replay_prices_prefill_only_steps_by_their_own_ratio() -> None:
     """A document with `meta.servedPrefillOnlyOverPredicted` replays its prefill-only steps at that
     ratio of the table and every step with decodes on the line; without it (or with it null, as an

@@ -574,13 +574,16 @@ class AsyncEngine:
         self._flush()
 
     def _observe_served_step(self, plan: StepPlan | None, output: RunnerOutput | None, stats: StepStats) -> None:
-        """Judge the step against the table and, when the follower derives new limits from served
+        """Judge the step against the table, count the gap it closed against the ITL target
+        (magnitude_scheduler_itl_gaps_total) and, when the follower derives new limits from served
         steps (sim/served_limits.py: at SERVED_MIN_STEPS judged steps, then every SERVED_DERIVE_STEPS
         more; null limits only), hand them to the scheduler."""
         assert self.limits_follower is not None
         decoding = plan is not None and output is not None and stats.num_decode > 0
         change = self.limits_follower.after_step(plan, stats.t - stats.duration_s, decoding,
                                                  failed=output is not None and bool(output.failed))
+        if self.limits_follower.last_itl_gap is not None:
+            self.metrics.observe_itl_gap(*self.limits_follower.last_itl_gap)
         if change is not None:
             self._follow_served_steps(change)
 

@@ -162,6 +162,12 @@ class EngineMetrics:
                                  "valid, invalid, or unverified (cut short before it could be checked).", ("result",))
         for result in ("valid", "invalid", "unverified"):
             self.output_contract.labels(result)  # every series from the start: rate() needs no first event
+        self.itl_gaps = c("scheduler_itl_gaps",
+                          "Gaps between back-to-back decoding steps (one step's start to the next's: what running "
+                          "streams waited for their next token) judged against the ITL target the first step was "
+                          "planned under: within it, or over it (a broken per-step promise).", ("result",))
+        for result in ("within", "over"):
+            self.itl_gaps.labels(result)
         spec = ("priority_class", "method")
         self.spec_draft_tokens = c("spec_decode_draft_tokens", "Speculative draft tokens proposed.", spec)
         self.spec_accepted_tokens = c("spec_decode_accepted_tokens",
@@ -267,6 +273,10 @@ class EngineMetrics:
         self.registry.register(_DecisionCounts(counts))
 
     # -- state ------------------------------------------------------------------------------
+    def observe_itl_gap(self, gap_s: float, target_s: float) -> None:
+        """A decoding step's gap to the next one, against the ITL target it was planned under."""
+        self.itl_gaps.labels("over" if gap_s > target_s else "within").inc()
+
     def set_scheduler_limits(self, token_budget: int, prefill_chunk: int, itl_target_ms: float | None,
                              source: str) -> None:
         self.scheduler_token_budget.labels(source).set(token_budget)

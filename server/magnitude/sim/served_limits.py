@@ -59,8 +59,13 @@ class LimitsFollower:
         self.margin_history = tuple(margin_history)
         self.limits = derive_scheduler_limits(sp, table)
         self._derived_at = 0
-        # The last step that ran: (predicted s, start, decodes, whether it carried decodes).
-        self._previous: tuple[float, float, int, bool] | None = None
+        # The last step that ran: (predicted s, start, decodes, whether it carried decodes, the ITL
+        # target in ms it was planned under).
+        self._previous: tuple[float, float, int, bool, float | None] | None = None
+        # The gap the last after_step judged against the ITL target in force, (gap s, target s): what
+        # running streams waited from one decoding step's start to the next's, which the target
+        # promises; None when that call judged none (no target, or not two decoding steps in a row).
+        self.last_itl_gap: tuple[float, float] | None = None
 
     def after_step(self, plan: StepPlan | None, start: float, decoding: bool,
                    failed: bool = False) -> LimitsChange | None:
@@ -74,16 +79,19 @@ class LimitsFollower:
         if served is None:
             return None
         ran = plan is not None and bool(plan.seqs) and not failed
+        self.last_itl_gap = None
         if ran and self._previous is not None:
-            predicted, previous_start, decodes, was_decoding = self._previous
+            predicted, previous_start, decodes, was_decoding, target_ms = self._previous
             if was_decoding and decoding:
                 served.observe(predicted, start - previous_start, decodes, at=start)
+                if target_ms is not None:
+                    self.last_itl_gap = (start - previous_start, target_ms / 1000.0)
             elif not was_decoding:
                 served.observe_prefill_only(predicted, start - previous_start)
         if self.margin_history and isinstance(self.bound, ServedBound):
             self.bound.margin_floor = margin_at(self.margin_history, start)
-        self._previous = (served.model.step_seconds(plan), start, plan_shape(plan, 0)[0], decoding) \
-            if ran and plan is not None else None
+        self._previous = (served.model.step_seconds(plan), start, plan_shape(plan, 0)[0], decoding,
+                          self.limits.itl_target_ms) if ran and plan is not None else None
         due = SERVED_MIN_STEPS if self._derived_at == 0 else self._derived_at + SERVED_DERIVE_STEPS
         if served.steps < due:
             return None
