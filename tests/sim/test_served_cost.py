@@ -11,7 +11,7 @@ import json
 import pytest
 
 from magnitude.policy.load import resolve_config
-from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_EARLY_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MARGIN_EVERY,
+from magnitude.sim.cost import (SERVED_COLD_MARGIN, SERVED_DERIVE_STEPS, SERVED_EARLY_STEPS, SERVED_FACTOR_BOUNDS, SERVED_MARGIN_EVERY,
                                 SERVED_LINE_HISTORY, SERVED_LINE_HISTORY_STEP, SERVED_MARGIN_HISTORY, SERVED_MARGIN_HISTORY_STEP,
                                 SERVED_MAX_FIXED_S, SERVED_MAX_MARGIN, SERVED_MAX_PER_DECODE_S, SERVED_MIN_STEPS,
                                 SERVED_PRIOR_SPREAD, SERVED_WINDOW, CostModelError, SchedulerLimits, ServedBound, ServedCost, TableCost,
@@ -329,8 +329,9 @@ def test_a_replay_of_served_times_follows_them_as_the_engine_did() -> None:
            "seconds": [list(r) for r in PROPORTIONAL.seconds],
            "meta": {"servedOverPredicted": 1.0, "servedFixedSeconds": 0.008, "servedSteps": 600}}
     result = simulate(documents(), resolve_config(None, []), cost_model_from_document(doc))
-    assert result.config.scheduler.itl_target_ms == 104.0  # the table's, as the engine started
-    # The table's limits (96 / 96 / 104 ms) run while the replay learns the fixed 8 ms. Once
+    # The table's, with the margin a cold start keeps (SERVED_COLD_MARGIN), as the engine started.
+    assert result.config.scheduler.itl_target_ms == pytest.approx(104.0 * (1 + SERVED_COLD_MARGIN), abs=0.1)
+    # The table's limits (96 / 96 / 156 ms) run while the replay learns the fixed 8 ms. Once
     # SERVED_MIN_STEPS steps are judged (the first decoding step is not: nothing ran before it) the
     # line is fitted and the limits are derived from it (128 / 128 / 144 ms from the line itself,
     # test above), once: the steps after it are the bigger ones that line finds efficient (over the
@@ -515,6 +516,38 @@ def test_a_derived_target_carries_the_margin_on_the_same_steps() -> None:
     # Before SERVED_MIN_STEPS judged steps the table, with no margin.
     young = ServedBound(ServedCost(PROPORTIONAL, 1.0, SERVED_MIN_STEPS - 1, 0.008, margin=0.3))
     assert derivation_model(young) is PROPORTIONAL
+
+
+def test_a_cold_start_keeps_the_largest_margin_until_the_line_is_fitted() -> None:
+    """With `cold_margin` (the engine's SERVED_COLD_MARGIN) the bound is the table (then the early
+    ratio) times 1 + that margin until SERVED_MIN_STEPS steps are judged, and the target derived at
+    start carries it on the same steps; an explicit target's first steps are smaller. Once fitted,
+    the window's own margin. Without it (a plain table's simulation), the table as measured."""
+    from magnitude.engine.output import ScheduledSeq, StepPlan
+    from magnitude.engine.sampling import SamplingParams
+
+    derived_sp, explicit_sp = resolve_config(None, []).scheduler, resolve_config(None, ["scheduler.itlTargetMs=150"]).scheduler
+    warm, cold = LimitsFollower(derived_sp, PROPORTIONAL), LimitsFollower(derived_sp, PROPORTIONAL, cold_margin=SERVED_COLD_MARGIN)
+    assert warm.limits == derive_scheduler_limits(derived_sp, PROPORTIONAL)
+    assert (cold.limits.token_budget, cold.limits.prefill_chunk_size) == (warm.limits.token_budget, warm.limits.prefill_chunk_size)
+    assert cold.limits.itl_target_ms == pytest.approx(warm.limits.itl_target_ms * (1 + SERVED_COLD_MARGIN), abs=0.1)
+    assert cold.bound.seconds_for(8, 64) == pytest.approx(PROPORTIONAL.seconds_for(8, 64) * (1 + SERVED_COLD_MARGIN))
+    assert warm.bound.seconds_for(8, 64) == pytest.approx(PROPORTIONAL.seconds_for(8, 64))
+    explicit_cold = LimitsFollower(explicit_sp, PROPORTIONAL, cold_margin=SERVED_COLD_MARGIN)
+    explicit_warm = LimitsFollower(explicit_sp, PROPORTIONAL)
+    assert explicit_cold.limits.itl_target_ms == explicit_warm.limits.itl_target_ms == 150.0
+    assert explicit_cold.limits.token_budget < explicit_warm.limits.token_budget
+    assert explicit_cold.bound.seconds_for(0, explicit_cold.limits.token_budget) <= 0.150
+    # Steps that take the table exactly: once the line is fitted, no scatter and no margin.
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    start = 0.0
+    for i in range(SERVED_MIN_STEPS + 1):
+        plan = StepPlan(i, [ScheduledSeq(f"r{j}", [1], 200, [j], True, greedy) for j in range(1 + i % 8)])
+        cold.after_step(plan, start, decoding=True)
+        if cold.served.steps < SERVED_MIN_STEPS:
+            assert cold.bound.margin == SERVED_COLD_MARGIN
+        start += PROPORTIONAL.step_seconds(plan)
+    assert cold.served.steps >= SERVED_MIN_STEPS and cold.bound.margin == pytest.approx(0.0, abs=0.01)
 
 
 def test_a_replay_keeps_the_documents_margin() -> None:

@@ -34,7 +34,7 @@ from magnitude.server.protocol import internal_error_message
 from magnitude.server.timeline import RequestLog
 from magnitude.server.tokenization import PromptRenderer
 from magnitude.server.trace_recorder import Ended, TraceRecorder
-from magnitude.sim.cost import SchedulerLimits, apply_limits, cost_model_from_document
+from magnitude.sim.cost import SERVED_COLD_MARGIN, SchedulerLimits, apply_limits, cost_model_from_document
 from magnitude.sim.served_limits import LimitsChange, LimitsFollower
 
 log = logging.getLogger("magnitude.async_engine")
@@ -340,7 +340,8 @@ class AsyncEngine:
             self.cost_model = cost_model_from_document(self.cost_model_document, "calibrated cost model",
                                                        self.config.kv_cache.block_size)
         # From the table, a --cost-model document's too: its served line is what another run's steps took.
-        follower = self.limits_follower = LimitsFollower(self.config.scheduler, self.cost_model)
+        follower = self.limits_follower = LimitsFollower(self.config.scheduler, self.cost_model,
+                                                         cold_margin=SERVED_COLD_MARGIN)
         self.served_cost = follower.served
         self.scheduler_cost_model = follower.bound
         limits = self.scheduler_limits = follower.limits

@@ -228,6 +228,18 @@ class TableCost:
 # that clock follows it.
 SERVED_MARGIN_BIG_STEP = 0.5
 SERVED_MAX_MARGIN = 0.5
+# Until the line is fitted (SERVED_MIN_STEPS judged steps) an engine does not know how its served
+# steps scatter about the table, and a cold start's are the worst: the first burst after a start ran
+# 1.2-1.6x the table while the HTTP side took its requests and began their streams (1.35x on the
+# early ratio the bound then used), and 18 of its 69 decoding gaps ran over the table's derived
+# 81.3 ms target, none of the next two bursts' 127 (default weights, two AMX Xeon cores,
+# bench/results/derived_defaults.md, 2026-12-07). So the engine's bound keeps the largest margin
+# until then (ServedBound's `cold_margin`), and the target derived at start carries it
+# (derivation_model): a derived target's steps are the same, and its promise is one that holds (the
+# first bursts after three starts: 0, 2 and 0 of 68-69 gaps over); an explicit target's first steps
+# are that much smaller. A replay of an engine's document starts cold
+# as the engine did; a plain table's simulation, whose steps take the table, keeps none.
+SERVED_COLD_MARGIN = SERVED_MAX_MARGIN
 SERVED_MARGIN_EVERY = 16
 SERVED_MARGIN_HISTORY = 256
 SERVED_MARGIN_HISTORY_STEP = 0.01
@@ -537,15 +549,16 @@ class ServedBound:
     fitted (a replay's, whose own steps do not scatter: the document's). Its `model` is the table,
     its `served` the line it was learned on."""
 
-    def __init__(self, served: ServedCost, margin_floor: float = 0.0) -> None:
+    def __init__(self, served: ServedCost, margin_floor: float = 0.0, cold_margin: float = 0.0) -> None:
         self.served = served
         self.model = served.model
         self.margin_floor = margin_floor
+        self.cold_margin = cold_margin
 
     @property
     def margin(self) -> float:
         fitted = self.served.steps >= SERVED_MIN_STEPS
-        return max(self.served.margin, self.margin_floor) if fitted else self.served.margin
+        return max(self.served.margin, self.margin_floor) if fitted else self.cold_margin
 
     @property
     def name(self) -> str:
@@ -568,13 +581,15 @@ def derivation_model(cost: CostModel | None) -> CostModel | None:
     """The model null limits are derived from: served step times once SERVED_MIN_STEPS served
     steps have been judged (a ServedCost that learned them, or a document that carries them; a
     ServedBound on such a line, whose margin the derived target then carries), else the table as
-    measured. A served step pays a fixed cost the calibration's steps did not (on two
+    measured (with the bound's cold-start margin where it keeps one: SERVED_COLD_MARGIN). A served step pays a fixed cost the calibration's steps did not (on two
     EPYC cores 8.6 ms a step beside the HTTP side and its clients), so limits from the table alone
     take steps too small to be efficient as served: w4a16's table derived 30 tokens and a 31.3 ms
     target, twice budget 64's steps and 0.89 of its throughput (bench/results/derived_defaults.md)."""
     served = cost.served if isinstance(cost, ServedBound) else cost
     if isinstance(served, ServedCost) and served.steps >= SERVED_MIN_STEPS:
         return cost
+    if isinstance(cost, ServedBound) and cost.cold_margin > 0.0:
+        return ServedBound(ServedCost(cost.model), cold_margin=cost.cold_margin)  # the table, with a cold start's margin
     return measured_model(cost)
 
 

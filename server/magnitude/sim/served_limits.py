@@ -17,7 +17,9 @@ that carries another run's served line (`GET /debug/cost-model`) says what that 
 which is how a replay prices its steps (sim/simulate.py), not what this run's will take. A
 replay's own steps take that line exactly and do not scatter, so it passes the document's margin
 (`margin_floor`) or, where the document dates it, the margin's history (`margin_history`), which
-the bound then follows by each step's start on the same clock.
+the bound then follows by each step's start on the same clock. `cold_margin`: the margin the bound
+keeps, and the limits derived at start carry, until the line is fitted (SERVED_COLD_MARGIN: the
+engine's, and a replay's of an engine's document; a plain table's simulation passes none).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class LimitsFollower:
     served step times as they are learned (see the module docstring)."""
 
     def __init__(self, sp: SchedulerPolicy, cost: CostModel | None, margin_floor: float = 0.0,
-                 margin_history: Sequence[tuple[float, float]] = ()) -> None:
+                 margin_history: Sequence[tuple[float, float]] = (), cold_margin: float = 0.0) -> None:
         self.sp = sp
         table = measured_model(cost)
         self.served = ServedCost(table) if table is not None and not isinstance(table, UnitCost) else None
@@ -55,9 +57,10 @@ class LimitsFollower:
         # were first derived again from served steps, the long prompt's chunks beside the chats' decodes
         # took 1.12-1.63x their predictions, about the 196.2 ms target, on a table measured 2 h earlier:
         # bench/results/derived_defaults.md.) The margin is 0 until SERVED_MIN_STEPS steps are judged.
-        self.bound: CostModel | None = ServedBound(self.served, margin_floor) if self.served is not None else table
+        self.bound: CostModel | None = ServedBound(self.served, margin_floor, cold_margin) \
+            if self.served is not None else table
         self.margin_history = tuple(margin_history)
-        self.limits = derive_scheduler_limits(sp, table)
+        self.limits = derive_scheduler_limits(sp, self.bound)
         self._derived_at = 0
         # The last step that ran: (predicted s, start, decodes, whether it carried decodes, the ITL
         # target in ms it was planned under).

@@ -24,7 +24,8 @@ from magnitude.engine.sampling import SamplingParams
 from magnitude.engine.scheduler import Scheduler
 from magnitude.policy.schema import EngineConfig
 from magnitude.sim.clock import ARRIVAL, CANCEL, STEP_END, EventHeap
-from magnitude.sim.cost import CostModel, SchedulerLimits, ServedCost, apply_limits, plan_shape, replay_step_seconds
+from magnitude.sim.cost import (SERVED_COLD_MARGIN, CostModel, SchedulerLimits, ServedCost, apply_limits, plan_shape,
+                                replay_step_seconds)
 from magnitude.sim.served_limits import LimitsChange, LimitsFollower
 from magnitude.sim.speculation import SpecModel, spec_simulation
 from magnitude.sim.trace import TraceError, TraceRecord, prefix_token_ids
@@ -81,7 +82,15 @@ class CostModelRunner:
 def resolve_sim_config(config: EngineConfig, cost_model: CostModel) -> EngineConfig:
     """Fill what the engine would measure: kvCache.numBlocks when null, and a null tokenBudget /
     prefillChunkSize derived from the cost model's table for the ITL target, as the engine starts."""
-    return _with_sim_blocks(apply_limits(config, LimitsFollower(config.scheduler, cost_model).limits))
+    return _with_sim_blocks(apply_limits(config, LimitsFollower(config.scheduler, cost_model,
+                                                                cold_margin=cold_margin(cost_model)).limits))
+
+
+def cold_margin(cost_model: CostModel) -> float:
+    """The margin a simulated engine's bound keeps until its line is fitted: an engine's document
+    (served step times: a replay of that engine) starts cold as the engine did; a table's steps take
+    the table and keep none (SERVED_COLD_MARGIN)."""
+    return SERVED_COLD_MARGIN if isinstance(cost_model, ServedCost) else 0.0
 
 
 def _with_sim_blocks(config: EngineConfig) -> EngineConfig:
@@ -123,7 +132,7 @@ def simulate(records: list[TraceRecord], config: EngineConfig, cost_model: CostM
     # over the engine's clock where the document dates it (recorded traces share that clock).
     served = cost_model if isinstance(cost_model, ServedCost) else None
     follower = LimitsFollower(config.scheduler, cost_model, served.margin if served else 0.0,
-                              tuple(served.margin_history) if served else ())
+                              tuple(served.margin_history) if served else (), cold_margin(cost_model))
     config = _with_sim_blocks(apply_limits(config, follower.limits))
     check_trace(records, config)
     sched = Scheduler(config, cost_model=follower.bound)
