@@ -237,8 +237,8 @@ SERVED_MAX_MARGIN = 0.5
 # until then (ServedBound's `cold_margin`), and the target derived at start carries it
 # (derivation_model): a derived target's steps are the same, and its promise is one that holds (the
 # first bursts after three starts: 0, 2 and 0 of 68-69 gaps over); an explicit target's first steps
-# are that much smaller. A replay of an engine's document starts cold
-# as the engine did; a plain table's simulation, whose steps take the table, keeps none.
+# are that much smaller. A replay of an engine's document starts cold as the engine did; a plain
+# table's simulation, whose steps take the table, keeps none (sim/simulate.py cold_margin).
 SERVED_COLD_MARGIN = SERVED_MAX_MARGIN
 SERVED_MARGIN_EVERY = 16
 SERVED_MARGIN_HISTORY = 256
@@ -581,7 +581,8 @@ def derivation_model(cost: CostModel | None) -> CostModel | None:
     """The model null limits are derived from: served step times once SERVED_MIN_STEPS served
     steps have been judged (a ServedCost that learned them, or a document that carries them; a
     ServedBound on such a line, whose margin the derived target then carries), else the table as
-    measured (with the bound's cold-start margin where it keeps one: SERVED_COLD_MARGIN). A served step pays a fixed cost the calibration's steps did not (on two
+    measured (times 1 + the bound's cold-start margin where it keeps one: SERVED_COLD_MARGIN). A
+    served step pays a fixed cost the calibration's steps did not (on two
     EPYC cores 8.6 ms a step beside the HTTP side and its clients), so limits from the table alone
     take steps too small to be efficient as served: w4a16's table derived 30 tokens and a 31.3 ms
     target, twice budget 64's steps and 0.89 of its throughput (bench/results/derived_defaults.md)."""

@@ -56,7 +56,8 @@ class LimitsFollower:
         # SERVED_EARLY_STEPS steps are judged, then what they take. (Bounded by the table until the limits
         # were first derived again from served steps, the long prompt's chunks beside the chats' decodes
         # took 1.12-1.63x their predictions, about the 196.2 ms target, on a table measured 2 h earlier:
-        # bench/results/derived_defaults.md.) The margin is 0 until SERVED_MIN_STEPS steps are judged.
+        # bench/results/derived_defaults.md.) The margin is `cold_margin` until SERVED_MIN_STEPS steps are
+        # judged (sim/cost.py SERVED_COLD_MARGIN).
         self.bound: CostModel | None = ServedBound(self.served, margin_floor, cold_margin) \
             if self.served is not None else table
         self.margin_history = tuple(margin_history)
