@@ -322,7 +322,7 @@ def test_derived_limits_are_derived_again_once_the_line_is_fitted_and_every_deri
 
 def test_a_replay_of_served_times_follows_them_as_the_engine_did() -> None:
     """A `/debug/cost-model` document's served line is what the replay's steps take; the limits
-    start where the engine's did (the table's) and follow the steps the replay serves on the
+    start where the engine's did (the table's, the target with a cold start's margin) and follow the steps the replay serves on the
     engine's schedule, not the line the engine ended with from the first step (a replay that did
     ran half the engine's steps at 1.5x its ITL on a recording, bench/results/sim_fidelity.md)."""
     doc = {"kind": "table", "decode_batch_sizes": list(_ROWS), "prefill_tokens": list(_COLS),
@@ -521,8 +521,9 @@ def test_a_derived_target_carries_the_margin_on_the_same_steps() -> None:
 def test_a_cold_start_keeps_the_largest_margin_until_the_line_is_fitted() -> None:
     """With `cold_margin` (the engine's SERVED_COLD_MARGIN) the bound is the table (then the early
     ratio) times 1 + that margin until SERVED_MIN_STEPS steps are judged, and the target derived at
-    start carries it on the same steps; an explicit target's first steps are smaller. Once fitted,
-    the window's own margin. Without it (a plain table's simulation), the table as measured."""
+    start carries it on the same steps (budget and chunk derived on the table); an explicit target
+    keeps its limits, and its first steps are held smaller by the bound. Once fitted, the window's
+    own margin. Without it (a plain table's simulation), the table as measured."""
     from magnitude.engine.output import ScheduledSeq, StepPlan
     from magnitude.engine.sampling import SamplingParams
 
@@ -533,11 +534,12 @@ def test_a_cold_start_keeps_the_largest_margin_until_the_line_is_fitted() -> Non
     assert cold.limits.itl_target_ms == pytest.approx(warm.limits.itl_target_ms * (1 + SERVED_COLD_MARGIN), abs=0.1)
     assert cold.bound.seconds_for(8, 64) == pytest.approx(PROPORTIONAL.seconds_for(8, 64) * (1 + SERVED_COLD_MARGIN))
     assert warm.bound.seconds_for(8, 64) == pytest.approx(PROPORTIONAL.seconds_for(8, 64))
+    # An explicit target keeps its number and caps; the cold bound holds the first steps under it.
     explicit_cold = LimitsFollower(explicit_sp, PROPORTIONAL, cold_margin=SERVED_COLD_MARGIN)
     explicit_warm = LimitsFollower(explicit_sp, PROPORTIONAL)
-    assert explicit_cold.limits.itl_target_ms == explicit_warm.limits.itl_target_ms == 150.0
-    assert explicit_cold.limits.token_budget < explicit_warm.limits.token_budget
-    assert explicit_cold.bound.seconds_for(0, explicit_cold.limits.token_budget) <= 0.150
+    assert explicit_cold.limits == explicit_warm.limits and explicit_cold.limits.itl_target_ms == 150.0
+    budget = explicit_cold.limits.token_budget
+    assert explicit_warm.bound.seconds_for(0, budget) <= 0.150 < explicit_cold.bound.seconds_for(0, budget)
     # Steps that take the table exactly: once the line is fitted, no scatter and no margin.
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     start = 0.0

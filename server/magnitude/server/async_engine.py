@@ -333,7 +333,8 @@ class AsyncEngine:
         reported on /readyz (`scheduler`) and as magnitude_scheduler_* gauges. Also the model the
         scheduler bounds steps by, for an explicit or a derived target alike: the table scaled to what
         served steps take (ServedCost, learned from every step in after_step; the table's own times
-        until enough are judged)."""
+        until enough are judged), with a margin for their scatter (a cold start's until then, which a
+        derived target carries from the start: sim/cost.py SERVED_COLD_MARGIN)."""
         if self.cost_model_document is None:
             self.cost_model_document = getattr(runner, "cost_model_document", None)
         if self.cost_model is None and self.cost_model_document is not None:

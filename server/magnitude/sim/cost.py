@@ -234,8 +234,9 @@ SERVED_MAX_MARGIN = 0.5
 # early ratio the bound then used), and 18 of its 69 decoding gaps ran over the table's derived
 # 81.3 ms target, none of the next two bursts' 127 (default weights, two AMX Xeon cores,
 # bench/results/derived_defaults.md, 2026-12-07). So the engine's bound keeps the largest margin
-# until then (ServedBound's `cold_margin`), and the target derived at start carries it
-# (derivation_model): a derived target's steps are the same, and its promise is one that holds (the
+# until then (ServedBound's `cold_margin`), and a target derived at start carries it (the limits are
+# derived on the table, the target then scaled: sim/served_limits.py LimitsFollower): a derived
+# target's steps are the same, and its promise is one that holds (the
 # first bursts after three starts: 0, 2 and 0 of 68-69 gaps over); an explicit target's first steps
 # are that much smaller. A replay of an engine's document starts cold as the engine did; a plain
 # table's simulation, whose steps take the table, keeps none (sim/simulate.py cold_margin).
@@ -308,7 +309,7 @@ class ServedCost:
     `meta.servedPrefillOnlyOverPredicted`: see the note after SERVED_LINE_HISTORY_STEP), by which a
     replay prices them. The table itself (`model`) stays what the calibration measured; null limits are
     derived from the served times once SERVED_MIN_STEPS steps are judged (derivation_model), from
-    the table before."""
+    the table before (a derived target with a cold start's margin: SERVED_COLD_MARGIN)."""
 
     def __init__(self, model: CostModel, factor: float = 1.0, steps: int = 0, fixed_s: float = 0.0,
                  per_decode_s: float = 0.0, margin: float = 0.0,
@@ -546,8 +547,9 @@ class ServedBound:
     """What the scheduler bounds steps by: a ServedCost's line times (1 + its margin), so a step
     sized to the ITL target keeps it as the window's worst big step did, not on average (see
     SERVED_MARGIN_BIG_STEP). `margin_floor`: a margin the bound keeps at least once the line is
-    fitted (a replay's, whose own steps do not scatter: the document's). Its `model` is the table,
-    its `served` the line it was learned on."""
+    fitted (a replay's, whose own steps do not scatter: the document's); `cold_margin`: the margin
+    it keeps until then (SERVED_COLD_MARGIN). Its `model` is the table, its `served` the line it was
+    learned on."""
 
     def __init__(self, served: ServedCost, margin_floor: float = 0.0, cold_margin: float = 0.0) -> None:
         self.served = served
@@ -581,16 +583,13 @@ def derivation_model(cost: CostModel | None) -> CostModel | None:
     """The model null limits are derived from: served step times once SERVED_MIN_STEPS served
     steps have been judged (a ServedCost that learned them, or a document that carries them; a
     ServedBound on such a line, whose margin the derived target then carries), else the table as
-    measured (times 1 + the bound's cold-start margin where it keeps one: SERVED_COLD_MARGIN). A
-    served step pays a fixed cost the calibration's steps did not (on two
+    measured. A served step pays a fixed cost the calibration's steps did not (on two
     EPYC cores 8.6 ms a step beside the HTTP side and its clients), so limits from the table alone
     take steps too small to be efficient as served: w4a16's table derived 30 tokens and a 31.3 ms
     target, twice budget 64's steps and 0.89 of its throughput (bench/results/derived_defaults.md)."""
     served = cost.served if isinstance(cost, ServedBound) else cost
     if isinstance(served, ServedCost) and served.steps >= SERVED_MIN_STEPS:
         return cost
-    if isinstance(cost, ServedBound) and cost.cold_margin > 0.0:
-        return ServedBound(ServedCost(cost.model), cold_margin=cost.cold_margin)  # the table, with a cold start's margin
     return measured_model(cost)
 
 

@@ -24,13 +24,23 @@ engine's, and a replay's of an engine's document; a plain table's simulation pas
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from magnitude.engine.output import StepPlan
 from magnitude.policy.schema import SchedulerPolicy
 from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_MIN_STEPS, CostModel, SchedulerLimits, ServedBound, ServedCost, UnitCost,
                                 derive_scheduler_limits, limits_moved, margin_at, measured_model, plan_shape)
+
+
+def cold_start_limits(sp: SchedulerPolicy, limits: SchedulerLimits, cold_margin: float) -> SchedulerLimits:
+    """The limits a follower starts with: derived on the table, and a derived target (none was set)
+    raised by the cold start's margin, which the bound keeps until the line is fitted
+    (SERVED_COLD_MARGIN): the steps are the table's, the promise what they take at 1 + that margin."""
+    if not cold_margin or sp.itl_target_ms is not None or limits.itl_target_ms is None:
+        return limits
+    return replace(limits, itl_target_ms=math.ceil(limits.itl_target_ms * (1.0 + cold_margin) * 10.0 - 1e-6) / 10.0)
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,7 @@ class LimitsFollower:
         self.bound: CostModel | None = ServedBound(self.served, margin_floor, cold_margin) \
             if self.served is not None else table
         self.margin_history = tuple(margin_history)
-        self.limits = derive_scheduler_limits(sp, self.bound)
+        self.limits = cold_start_limits(sp, derive_scheduler_limits(sp, table), cold_margin)
         self._derived_at = 0
         # The last step that ran: (predicted s, start, decodes, whether it carried decodes, the ITL
         # target in ms it was planned under).
