@@ -863,7 +863,13 @@ def efficient_prefill_step(cost: CostModel, max_sequences: int) -> tuple[int, fl
     beside_decodes = min(_prefill_step(cost, candidates, d), max(paced, default=chunk))
     raised = beside_decodes > chunk
     chunk = max(chunk, beside_decodes)
-    return chunk, math.ceil(cost.seconds_for(d, chunk) * 10_000.0 - 1e-6) / 10.0, raised
+    return chunk, ceil_target_ms(cost.seconds_for(d, chunk)), raised
+
+
+def ceil_target_ms(seconds: float) -> float:
+    """A derived ITL target in ms: `seconds` rounded up to 0.1 ms, so the step it was derived from
+    still fits (within a float's rounding)."""
+    return math.ceil(seconds * 10_000.0 - 1e-6) / 10.0
 
 
 def derive_scheduler_limits(sp: SchedulerPolicy, cost: CostModel | None) -> SchedulerLimits:

@@ -24,14 +24,14 @@ engine's, and a replay's of an engine's document; a plain table's simulation pas
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from magnitude.engine.output import StepPlan
 from magnitude.policy.schema import SchedulerPolicy
 from magnitude.sim.cost import (SERVED_DERIVE_STEPS, SERVED_MIN_STEPS, CostModel, SchedulerLimits, ServedBound, ServedCost, UnitCost,
-                                derive_scheduler_limits, limits_moved, margin_at, measured_model, plan_shape)
+                                ceil_target_ms, derive_scheduler_limits, limits_moved, margin_at, measured_model,
+                                plan_shape)
 
 
 def cold_start_limits(sp: SchedulerPolicy, limits: SchedulerLimits, cold_margin: float) -> SchedulerLimits:
@@ -40,7 +40,7 @@ def cold_start_limits(sp: SchedulerPolicy, limits: SchedulerLimits, cold_margin:
     (SERVED_COLD_MARGIN): the steps are the table's, the promise what they take at 1 + that margin."""
     if not cold_margin or sp.itl_target_ms is not None or limits.itl_target_ms is None:
         return limits
-    return replace(limits, itl_target_ms=math.ceil(limits.itl_target_ms * (1.0 + cold_margin) * 10.0 - 1e-6) / 10.0)
+    return replace(limits, itl_target_ms=ceil_target_ms(limits.itl_target_ms / 1000.0 * (1.0 + cold_margin)))
 
 
 @dataclass(frozen=True)
